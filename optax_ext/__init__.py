@@ -1,0 +1,9 @@
+"""Optax gradient transformations that keep working when composed."""
+
+from ._inject import inject_hyperparams as inject_hyperparams
+from ._multi_steps import MultiSteps as MultiSteps
+from ._zero_nans import zero_nans as zero_nans
+
+__version__ = "0.1.0"
+
+__all__ = ["MultiSteps", "inject_hyperparams", "zero_nans"]

@@ -1,0 +1,284 @@
+"""`inject_hyperparams`: a drop-in for `optax.inject_hyperparams`.
+
+Which arguments become schedules, which are injected into
+`state.hyperparams`, and which are passed through unchanged is decided once,
+when the wrapped factory is called, from the argument itself and the
+factory's signature. The rule is in `inject_hyperparams`'s docstring.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import functools
+import inspect
+import numbers
+import typing
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ._tree import arrays_only, as_weak
+
+_STATIC, _NUMERIC, _SCHEDULE, _STATEFUL = "static", "numeric", "schedule", "stateful"
+
+
+def _is_mask_name(name: str) -> bool:
+    return name == "mask" or name.endswith("_mask")
+
+
+def _is_dtype_like(value: Any) -> bool:
+    return isinstance(value, (type, np.dtype))
+
+
+def _callable_forms(annotation: Any) -> list[tuple[Any, ...]]:
+    """The argument lists of every `Callable[[...], ...]` inside `annotation`."""
+    found: list[tuple[Any, ...]] = []
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is collections.abc.Callable and args and isinstance(args[0], list):
+        found.append(tuple(args[0]))
+    for arg in args:
+        if not isinstance(arg, list):
+            found.extend(_callable_forms(arg))
+    return found
+
+
+def _takes_a_tree(tp: Any) -> bool:
+    """Whether a type admits containers (a params tree) rather than a number."""
+    if typing.get_origin(tp) in (
+        collections.abc.Iterable,
+        collections.abc.Mapping,
+        collections.abc.Sequence,
+        list,
+        dict,
+        tuple,
+    ):
+        return True
+    if tp is typing.Any:
+        return True
+    return any(_takes_a_tree(arg) for arg in typing.get_args(tp))
+
+
+def _annotation_rules_out_schedule(annotation: Any) -> bool:
+    """True if the parameter's annotation has `Callable`s but none of them
+    takes a single number (the step count), e.g. a mask `Callable[[Params], Any]`."""
+    if annotation is inspect.Parameter.empty or isinstance(annotation, str):
+        return False
+    forms = _callable_forms(annotation)
+    if not forms:
+        return False
+    return not any(len(f) == 1 and not _takes_a_tree(f[0]) for f in forms)
+
+
+def _is_structured_pytree(value: Any) -> bool:
+    leaves = jax.tree.leaves(value)
+    return not (len(leaves) == 1 and leaves[0] is value)
+
+
+def _classify(name: str, value: Any, param: inspect.Parameter, static: set[str]) -> str:
+    if name in static or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+        return _STATIC
+    if value is None or isinstance(value, (bool, np.bool_, str)) or _is_dtype_like(value):
+        return _STATIC
+    if isinstance(value, optax.schedules.StatefulSchedule):
+        return _STATEFUL
+    if _is_mask_name(name):
+        return _STATIC
+    if callable(value):
+        if param.default is not param.empty and callable(param.default):
+            return _STATIC
+        if _annotation_rules_out_schedule(param.annotation):
+            return _STATIC
+        if _is_structured_pytree(value):
+            return _STATIC
+        return _SCHEDULE
+    if isinstance(value, int) and isinstance(param.default, int) and not isinstance(
+        param.default, bool
+    ):
+        return _STATIC
+    if isinstance(value, (numbers.Number, np.ndarray, np.generic, jax.Array)):
+        return _NUMERIC
+    return _STATIC
+
+
+def _as_hyperparam(value: Any, dtype: Any) -> jax.Array:
+    """A numeric hyperparameter as it is stored and handed to the factory.
+
+    Python numbers and schedule outputs become weakly typed arrays, so they
+    promote exactly as a Python float passed to the bare factory would; arrays
+    the user typed explicitly keep their dtype. `dtype`, if given, is applied
+    to floating values as optax does.
+    """
+    array = jnp.asarray(value)
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        return array if isinstance(value, jax.Array) else as_weak(array)
+    if dtype is not None:
+        return array.astype(dtype)
+    return array if isinstance(value, (jax.Array, np.ndarray)) else as_weak(array)
+
+
+def _schedule_value(value: Any, dtype: Any) -> jax.Array:
+    array = jnp.asarray(value)
+    if jnp.issubdtype(array.dtype, jnp.floating):
+        return array.astype(dtype) if dtype is not None else as_weak(array)
+    return array
+
+
+def inject_hyperparams(
+    inner_factory: Callable[..., optax.GradientTransformation],
+    static_args: str | Iterable[str] = (),
+    hyperparam_dtype: Any = None,
+) -> Callable[..., optax.GradientTransformationExtraArgs]:
+    """Makes the hyperparameters of an optimizer factory part of its state.
+
+    A drop-in for `optax.inject_hyperparams` with the same signature and the
+    same state, `optax.InjectStatefulHyperparamsState`: numeric
+    hyperparameters can be read and written in `state.hyperparams`, schedules
+    are evaluated on the step count, and `jax.grad` with respect to
+    `state.hyperparams["learning_rate"]` gives hypergradients.
+
+    **How each argument of the factory is treated** (first rule that applies):
+
+    1. named in `static_args`, or a `*args` / `**kwargs` entry: passed through;
+    2. `None`, a bool, a string, or a dtype or other class: passed through;
+    3. an `optax.schedules.StatefulSchedule`: a stateful schedule;
+    4. a parameter named `mask` or ending in `_mask`: passed through, whether a
+       plain pytree, a callable pytree (an Equinox model), or a function
+       `params -> mask` (optax issue #1373);
+    5. any other callable is passed through when the factory's default for that
+       parameter is itself a callable (e.g. `optax.contrib.adopt`'s
+       `clip_value_fn`), when the parameter's annotation names callables but
+       none that takes a single number, or when the callable is a pytree with
+       leaves of its own (an Equinox module, a Flax struct);
+    6. any other callable is a schedule: called with the step count;
+    7. a Python int where the factory's default is an int (a size or count,
+       such as adafactor's `min_dim_size_to_factor` or muon's `ns_steps`) is
+       passed through, since the factory may use it in Python control flow
+       (optax issue #412);
+    8. any other number or array is injected into `state.hyperparams`.
+
+    To make an argument a schedule against rules 4-5, wrap it in a `lambda`
+    and name nothing in `static_args`; to pass one through against rules 6-8,
+    name it in `static_args`.
+
+    **Numerics:** injecting never changes the arithmetic of the optimizer.
+    Python numbers and schedule outputs are stored as weakly typed arrays,
+    which promote exactly as the Python float given to the bare factory
+    would: with bfloat16 params, `b2=0.999` is not rounded to `1.0` before
+    the bias correction, and the updates have the bare optimizer's dtype.
+    Arrays given explicitly keep their dtype. `hyperparam_dtype`, if given,
+    casts every floating hyperparameter to it, as in optax.
+
+    **Arguments:**
+
+    - `inner_factory`: a function returning an `optax.GradientTransformation`,
+      e.g. `optax.adamw`.
+    - `static_args`: names of parameters to pass through unchanged.
+    - `hyperparam_dtype`: optional dtype for floating hyperparameters.
+
+    **Returns:**
+
+    A function with `inner_factory`'s signature returning an
+    `optax.GradientTransformationExtraArgs`.
+
+    **Example:**
+
+    ```python
+    opt = optax_ext.inject_hyperparams(optax.adamw)(
+        learning_rate=optax.cosine_decay_schedule(1e-3, 1000),
+        mask=eqx_model_of_bools,  # no static_args needed
+    )
+    state = opt.init(params)
+    state.hyperparams["weight_decay"] = 1e-2  # takes effect at the next update
+    ```
+    """
+    static = {static_args} if isinstance(static_args, str) else set(static_args)
+    signature = inspect.signature(inner_factory)
+    unknown = static - set(signature.parameters)
+    if unknown:
+        raise ValueError(
+            f"static_args names {sorted(unknown)}, which "
+            f"{getattr(inner_factory, '__name__', inner_factory)} does not take; "
+            f"its parameters are {list(signature.parameters)}."
+        )
+
+    @functools.wraps(inner_factory)
+    def wrapped_factory(*args: Any, **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        kinds = {
+            name: _classify(name, value, signature.parameters[name], static)
+            for name, value in bound.arguments.items()
+        }
+        passed = {n: v for n, v in bound.arguments.items() if kinds[n] == _STATIC}
+        numeric = {n: v for n, v in bound.arguments.items() if kinds[n] == _NUMERIC}
+        schedules = {
+            n: v if kinds[n] == _STATEFUL else optax.schedules.WrappedSchedule(v)
+            for n, v in bound.arguments.items()
+            if kinds[n] in (_SCHEDULE, _STATEFUL)
+        }
+
+        def build(hyperparams: dict[str, jax.Array]) -> optax.GradientTransformationExtraArgs:
+            call = inspect.BoundArguments(signature, bound.arguments.copy())
+            call.arguments.update(hyperparams)
+            call.arguments.update(passed)
+            return optax.with_extra_args_support(inner_factory(*call.args, **call.kwargs))
+
+        def init_fn(params):
+            params = arrays_only(params)
+            hyperparams = {
+                n: _as_hyperparam(v, hyperparam_dtype) for n, v in numeric.items()
+            }
+            schedule_states = {n: s.init() for n, s in schedules.items()}
+            hyperparams.update(
+                {
+                    n: _schedule_value(s(schedule_states[n]), hyperparam_dtype)
+                    for n, s in schedules.items()
+                }
+            )
+            return optax.InjectStatefulHyperparamsState(
+                count=jnp.zeros((), jnp.int32),
+                hyperparams=hyperparams,
+                hyperparams_states=schedule_states,
+                inner_state=build(hyperparams).init(params),
+            )
+
+        def update_fn(updates, state, params=None, **extra_args):
+            if params is not None:
+                params = arrays_only(params)
+            hyperparams = {
+                n: _as_hyperparam(v, hyperparam_dtype)
+                for n, v in state.hyperparams.items()
+                if n not in schedules
+            }
+            hyperparams.update(
+                {
+                    n: _schedule_value(
+                        s(state.hyperparams_states[n], **extra_args), hyperparam_dtype
+                    )
+                    for n, s in schedules.items()
+                }
+            )
+            schedule_states = {
+                n: s.update(state.hyperparams_states[n], **extra_args)
+                for n, s in schedules.items()
+            }
+            updates, inner_state = build(hyperparams).update(
+                updates, state.inner_state, params, **extra_args
+            )
+            count = jnp.asarray(state.count)
+            count = jnp.where(count < jnp.iinfo(count.dtype).max, count + 1, count)
+            return updates, optax.InjectStatefulHyperparamsState(
+                count=count.astype(jnp.int32),
+                hyperparams=hyperparams,
+                hyperparams_states=schedule_states,
+                inner_state=inner_state,
+            )
+
+        return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+    return wrapped_factory

@@ -1,0 +1,323 @@
+"""`MultiSteps`: gradient accumulation, a drop-in for `optax.MultiSteps`.
+
+How a step works. Each call folds the incoming gradients into the running
+accumulator (`acc_grads`), then one `lax.cond` on "does this window emit?"
+chooses between two branches:
+
+- emitting: the inner optimizer runs on the window's mean (or sum), its new
+  state is kept and the accumulator is reset to zeros;
+- accumulating: the inner state is returned untouched, the updates are zeros.
+
+Everything is chosen by selection, never by arithmetic on state. optax blends
+with `emit * new + (1 - emit) * old`, which is why a NaN accumulated once
+stays forever (`0 * nan == nan`), why a non-emitting step returns NaN where
+the inner update is `inf` (`0 * inf == nan`), and why `bool` state leaves used
+to be promoted to integers (optax issue #828). With `lax.cond` the inner
+optimizer also runs only on emitting steps.
+
+Under `jax.vmap` with a batched predicate (one accumulation window per batch
+member), `lax.cond` becomes a `select` of both branches: the inner optimizer
+then runs on every step, as in optax, but results are still selected, so the
+contracts above hold.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from ._tree import arrays_only, cast_like, check_same_structure
+
+PyTree = Any
+_INT32_MAX = jnp.iinfo(jnp.int32).max
+
+
+def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
+    if callable(every_k_schedule):
+        return every_k_schedule
+    if not isinstance(every_k_schedule, bool):
+        try:
+            k = operator.index(every_k_schedule)
+        except TypeError:
+            pass
+        else:
+            if k <= 0:
+                raise ValueError(
+                    f"every_k_schedule must be a positive int, got {k}: it is the "
+                    "number of mini-steps accumulated per update."
+                )
+            return lambda _: k
+    raise TypeError(
+        "every_k_schedule must be a positive int or a function of the gradient "
+        f"step returning one, got {every_k_schedule!r} of type "
+        f"{type(every_k_schedule).__name__}."
+    )
+
+
+def _check_skip_output(out: Any, fn: Callable) -> tuple[jax.Array, PyTree]:
+    name = getattr(fn, "__name__", repr(fn))
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            f"should_skip_update_fn {name} must return a pair (should_skip, "
+            f"skip_state), got {type(out).__name__}: {out!r}."
+        )
+    should_skip, skip_state = out
+    dtype = getattr(should_skip, "dtype", None)
+    if isinstance(should_skip, bool):
+        should_skip = jnp.asarray(should_skip)
+    elif dtype != jnp.bool_ or jnp.shape(should_skip) != ():
+        raise TypeError(
+            f"should_skip_update_fn {name} must return a scalar bool as its first "
+            f"output, got dtype {dtype} and shape {jnp.shape(should_skip)}. "
+            "Reduce it to one decision, e.g. with `jnp.any(...)`."
+        )
+    return should_skip, skip_state
+
+
+def _saturating_increment(x: jax.Array) -> jax.Array:
+    return jnp.where(x < _INT32_MAX, x + 1, x).astype(x.dtype)
+
+
+class MultiSteps:
+    """Accumulates gradients over several mini-steps, then applies `opt` once.
+
+    A drop-in for `optax.MultiSteps`: the same constructor, `init`, `update`
+    (extra keyword arguments such as `value=` go to the inner optimizer),
+    `has_updated`, `inner_opt` and `gradient_transformation()`, and the same
+    state type, `optax.MultiStepsState`, so a checkpoint written by one loads
+    into the other.
+
+    Each `update` folds the gradients into `acc_grads`. On the mini-step that
+    completes a window of `k = every_k_schedule(gradient_step)` accepted
+    mini-steps, the inner optimizer is applied to the window's mean (or sum)
+    and its updates are returned; on every other mini-step the updates are
+    exact zeros and the inner optimizer does not run.
+
+    Guarantees beyond optax:
+
+    - every leaf of the inner state keeps its dtype, shape and weak type on
+      every step (bool, all integer widths, float16, bfloat16, float32,
+      float64, complex, typed PRNG keys): the state is selected, never
+      blended. If the inner optimizer itself returns a leaf of another dtype
+      or weak type, it is converted back to the one it had before the step;
+      a leaf that changes shape is an error;
+    - non-emitting steps return zeros in the inner updates' dtype, never NaN,
+      whatever the inner optimizer would have computed;
+    - the accumulator is reset by selection, so a NaN or `inf` in one window
+      never reaches the next one;
+    - `params` may be a whole Equinox model: leaves that are not arrays are
+      ignored (they get `None` in the state), as `eqx.apply_updates` ignores
+      them.
+
+    **Numerics:** the mean is a running (Welford) mean,
+    `acc + (g - acc) / (n + 1)`, kept in `promote_types(g.dtype,
+    accumulator_dtype)`: float32 for bfloat16 and float16 gradients, the
+    gradient's own dtype for float64 and complex ones. It is cast back to the
+    gradient's dtype before the inner optimizer sees it.
+
+    **Arguments:**
+
+    - `opt`: the inner optimizer, an `optax.GradientTransformation`.
+    - `every_k_schedule`: a positive int, or a function from the gradient step
+      (int32 scalar) to the number of mini-steps in that window.
+    - `use_grad_mean`: average the window's gradients if `True`, else sum them.
+    - `should_skip_update_fn`: as in optax, a function `(updates,
+      gradient_step, params) -> (should_skip, skip_state)`; a skipped
+      mini-step leaves the accumulator, counters and inner state as they were
+      (e.g. `optax.skip_not_finite`). It must return a scalar bool.
+    - `accumulator_dtype`: the least dtype to accumulate in (see Numerics);
+      `None` accumulates in each gradient's own dtype.
+
+    **Example:**
+
+    ```python
+    opt = optax_ext.MultiSteps(optax.adam(1e-3), every_k_schedule=4)
+    state = opt.init(params)
+    updates, state = opt.update(grads, state, params)  # zeros 3 times in 4
+    ```
+    """
+
+    def __init__(
+        self,
+        opt: optax.GradientTransformation,
+        every_k_schedule: int | Callable[[jax.Array], Any],
+        use_grad_mean: bool = True,
+        should_skip_update_fn: Callable[..., tuple[jax.Array, PyTree]] | None = None,
+        accumulator_dtype: Any = jnp.float32,
+    ):
+        if not (callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))):
+            raise TypeError(
+                "opt must be an optax.GradientTransformation (with `init` and "
+                f"`update`), got {opt!r} of type {type(opt).__name__}."
+            )
+        if should_skip_update_fn is not None and not callable(should_skip_update_fn):
+            raise TypeError(
+                "should_skip_update_fn must be None or a function "
+                f"(updates, gradient_step, params) -> (bool, state), got "
+                f"{should_skip_update_fn!r}."
+            )
+        self._opt = optax.with_extra_args_support(opt)
+        self._every_k_schedule = _validate_every_k(every_k_schedule)
+        self._use_grad_mean = bool(use_grad_mean)
+        self._should_skip_update_fn = should_skip_update_fn
+        self._accumulator_dtype = (
+            None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
+        )
+
+    @property
+    def inner_opt(self) -> optax.GradientTransformationExtraArgs:
+        """The wrapped optimizer."""
+        return self._opt
+
+    def _acc_dtype(self, dtype: Any) -> Any:
+        if self._accumulator_dtype is None:
+            return dtype
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return jnp.promote_types(dtype, self._accumulator_dtype)
+        return self._accumulator_dtype
+
+    def _should_skip(
+        self, updates: PyTree, gradient_step: jax.Array, params: PyTree
+    ) -> tuple[jax.Array, PyTree]:
+        fn = self._should_skip_update_fn
+        if fn is None:
+            return jnp.zeros((), jnp.bool_), ()
+        return _check_skip_output(fn(updates, gradient_step, params), fn)
+
+    def init(self, params: PyTree) -> optax.MultiStepsState:
+        """Builds the initial `optax.MultiStepsState` for `params`."""
+        params = arrays_only(params)
+        acc_grads = jax.tree.map(
+            lambda p: jnp.zeros(jnp.shape(p), self._acc_dtype(jnp.result_type(p))),
+            params,
+        )
+        gradient_step = jnp.zeros((), jnp.int32)
+        _, skip_state = self._should_skip(
+            jax.tree.map(jnp.zeros_like, params), gradient_step, params
+        )
+        return optax.MultiStepsState(
+            mini_step=jnp.zeros((), jnp.int32),
+            gradient_step=gradient_step,
+            inner_opt_state=self._opt.init(params),
+            acc_grads=acc_grads,
+            skip_state=skip_state,
+        )
+
+    def update(
+        self,
+        updates: PyTree,
+        state: optax.MultiStepsState,
+        params: PyTree | None = None,
+        **extra_args: Any,
+    ) -> tuple[PyTree, optax.MultiStepsState]:
+        """Accumulates `updates`; returns the inner optimizer's updates on the
+        last mini-step of a window and zeros otherwise."""
+        check_same_structure(
+            state.acc_grads,
+            updates,
+            expected_name="the accumulated gradients in the state",
+            got_name="the updates",
+        )
+        if params is not None:
+            params = arrays_only(params)
+        mini_step = jnp.asarray(state.mini_step)
+        gradient_step = jnp.asarray(state.gradient_step)
+        k = self._every_k_schedule(gradient_step)
+        should_skip, skip_state = self._should_skip(updates, gradient_step, params)
+
+        def accumulate(g: jax.Array, acc: jax.Array) -> jax.Array:
+            g = g.astype(acc.dtype)
+            if self._use_grad_mean:
+                new = acc + (g - acc) / (mini_step + 1).astype(acc.dtype)
+            else:
+                new = acc + g
+            if self._should_skip_update_fn is None:
+                return new
+            return jnp.where(should_skip, acc, new)
+
+        acc_grads = jax.tree.map(accumulate, updates, state.acc_grads)
+        emit = jnp.logical_and(jnp.logical_not(should_skip), mini_step + 1 >= k)
+        update_dtypes = jax.tree.map(lambda g: jnp.result_type(g), updates)
+
+        def inner_update(acc_grads, inner_state):
+            grads = jax.tree.map(
+                lambda acc, dt: acc.astype(dt), acc_grads, update_dtypes
+            )
+            return self._opt.update(grads, inner_state, params, **extra_args)
+
+        out_shapes, _ = jax.eval_shape(inner_update, acc_grads, state.inner_opt_state)
+
+        def emit_branch(acc_grads, inner_state):
+            new_updates, new_inner_state = inner_update(acc_grads, inner_state)
+            new_inner_state = _conform_state(new_inner_state, inner_state)
+            return new_updates, new_inner_state, jax.tree.map(jnp.zeros_like, acc_grads)
+
+        def accumulate_branch(acc_grads, inner_state):
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
+            return zeros, inner_state, acc_grads
+
+        new_updates, inner_state, acc_grads = lax.cond(
+            emit, emit_branch, accumulate_branch, acc_grads, state.inner_opt_state
+        )
+        new_state = optax.MultiStepsState(
+            mini_step=jnp.where(
+                emit, 0, jnp.where(should_skip, mini_step, mini_step + 1)
+            ).astype(mini_step.dtype),
+            gradient_step=jnp.where(
+                emit, _saturating_increment(gradient_step), gradient_step
+            ),
+            inner_opt_state=inner_state,
+            acc_grads=acc_grads,
+            skip_state=skip_state,
+        )
+        return new_updates, new_state
+
+    def has_updated(self, state: optax.MultiStepsState | PyTree) -> jax.Array:
+        """Whether the last `update` with this state emitted non-zero updates."""
+        return jnp.logical_and(
+            jnp.asarray(state.mini_step) == 0, jnp.asarray(state.gradient_step) > 0
+        )
+
+    def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
+        """This optimizer as a plain `optax.GradientTransformationExtraArgs`."""
+        return optax.GradientTransformationExtraArgs(self.init, self.update)
+
+
+def _conform_state(new: PyTree, old: PyTree) -> PyTree:
+    """Gives each leaf of the inner optimizer's new state its old dtype and weak
+    type, so that both branches of the `lax.cond` agree exactly."""
+    new_leaves, new_def = jax.tree.flatten(new)
+    old_leaves, old_def = jax.tree.flatten(old)
+    if new_def != old_def:
+        raise ValueError(
+            "The inner optimizer returned a state with another tree structure "
+            f"than it was given: {new_def} instead of {old_def}. MultiSteps "
+            "needs an inner optimizer whose state keeps its structure."
+        )
+    leaves = []
+    for path_leaf, n, o in zip(
+        jax.tree_util.tree_flatten_with_path(old)[0], new_leaves, old_leaves, strict=True
+    ):
+        if jnp.shape(n) != jnp.shape(o):
+            raise ValueError(
+                f"The inner optimizer changed the shape of its state leaf at "
+                f"{jax.tree_util.keystr(path_leaf[0])} from {jnp.shape(o)} to "
+                f"{jnp.shape(n)}; MultiSteps cannot keep such a state."
+            )
+        if jax.dtypes.issubdtype(o.dtype, jax.dtypes.prng_key):
+            if n.dtype != o.dtype:
+                raise ValueError(
+                    f"The inner optimizer changed the key type of its state leaf "
+                    f"at {jax.tree_util.keystr(path_leaf[0])} from {o.dtype} to "
+                    f"{n.dtype}."
+                )
+            leaves.append(n)
+        else:
+            leaves.append(cast_like(n, o))
+    return jax.tree.unflatten(old_def, leaves)

@@ -1,0 +1,131 @@
+"""Pytree helpers shared by the transformations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+PyTree = Any
+
+
+def arrays_only(tree: PyTree) -> PyTree:
+    """Replaces every leaf that is not an array with `None`.
+
+    An Equinox model holds activation functions and other non-array leaves;
+    `eqx.filter_grad` gives `None` for them, and `eqx.apply_updates` skips
+    them. Optimizer states built from such a model must do the same, or
+    `jnp.zeros_like(jax.nn.relu)` raises (equinox issue #590).
+    """
+    return jax.tree.map(lambda x: x if eqx.is_array(x) else None, tree)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _describe(leaf: Any) -> str:
+    if leaf is None:
+        return "None"
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return f"an array of shape {tuple(leaf.shape)} and dtype {leaf.dtype}"
+    return f"a {type(leaf).__name__}"
+
+
+def check_same_structure(
+    expected: PyTree, got: PyTree, *, expected_name: str, got_name: str
+) -> None:
+    """Raises a `ValueError` naming the first path where two trees differ.
+
+    `None` counts as a leaf here, so an array where the state holds `None`
+    (or the reverse) is reported too.
+    """
+    exp_leaves, exp_def = jax.tree_util.tree_flatten_with_path(
+        expected, is_leaf=_is_none
+    )
+    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got, is_leaf=_is_none)
+    if exp_def == got_def and all(
+        (a is None) == (b is None)
+        for (_, a), (_, b) in zip(exp_leaves, got_leaves, strict=True)
+    ):
+        return
+    exp_paths = {jax.tree_util.keystr(p): leaf for p, leaf in exp_leaves}
+    got_paths = {jax.tree_util.keystr(p): leaf for p, leaf in got_leaves}
+    for path, leaf in exp_paths.items():
+        if path not in got_paths:
+            problem = f"{got_name} have nothing at {path or 'the root'}, where "
+            problem += f"{expected_name} hold {_describe(leaf)}"
+            break
+        if (leaf is None) != (got_paths[path] is None):
+            problem = (
+                f"at {path or 'the root'} {got_name} hold "
+                f"{_describe(got_paths[path])} but {expected_name} hold "
+                f"{_describe(leaf)}"
+            )
+            break
+    else:
+        extra = next((p for p in got_paths if p not in exp_paths), None)
+        if extra is not None:
+            problem = (
+                f"{got_name} have {_describe(got_paths[extra])} at {extra}, a path "
+                f"{expected_name} do not have"
+            )
+        else:
+            problem = (
+                f"the containers differ: {got_name} are {got_def}, "
+                f"{expected_name} are {exp_def}"
+            )
+    raise ValueError(
+        f"The tree of {got_name} does not match {expected_name}: {problem}. "
+        "Pass updates with the same structure as the params the optimizer was "
+        "initialised with (for Equinox, initialise with "
+        "`eqx.filter(model, eqx.is_array)` or the same filter used for the "
+        "gradients)."
+    )
+
+
+def is_weak(x: Any) -> bool:
+    return bool(getattr(x, "weak_type", False))
+
+
+def cast_like(x: jax.Array, like: Any) -> jax.Array:
+    """Returns `x` with the dtype and weak type of `like` (shapes must agree).
+
+    A weakly typed value promotes like a Python scalar: multiplied with a
+    bfloat16 array it gives bfloat16, where a strongly typed float32 would
+    make the product float32. `lax.full_like` is the public operation that
+    produces a weak result: it keeps the weak type of its template.
+    """
+    x = jnp.asarray(x)
+    if x.dtype == like.dtype and is_weak(x) == is_weak(like):
+        return x
+    if not is_weak(like):
+        return lax.convert_element_type(x, like.dtype)
+    template = lax.full_like(like, 0, shape=())
+    if x.ndim == 0:
+        return lax.full_like(template, x)
+    flat = jax.vmap(lambda v: lax.full_like(template, v))(x.reshape(-1))
+    return flat.reshape(x.shape)
+
+
+def as_weak(x: jax.Array) -> jax.Array:
+    """Returns `x` as a weakly typed array of the default dtype of its kind.
+
+    This is how a Python `float` (or `int`, `complex`) of the same value would
+    enter a traced computation.
+    """
+    x = jnp.asarray(x)
+    if is_weak(x):
+        return x
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        python_zero: complex = 0j
+    elif jnp.issubdtype(x.dtype, jnp.floating):
+        python_zero = 0.0
+    elif jnp.issubdtype(x.dtype, jnp.integer):
+        python_zero = 0
+    else:
+        return x
+    return cast_like(x, jnp.asarray(python_zero))
