@@ -1,0 +1,203 @@
+"""Discovery of the optax aliases that run without extra arguments, and small
+helpers for `test_aliases.py` (independent of optax_ext's code).
+
+An alias is a function of `optax` or `optax.contrib` with a `learning_rate`
+parameter whose optimizer, built with `learning_rate=1e-2` when that parameter
+has no default, inits and updates a small params dict without extra keyword
+arguments (no `value=`, no `obj_fn`, ...). Discovery only traces
+(`jax.eval_shape`), so it is cheap and deterministic: every pytest-xdist
+worker collects the same list.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+
+LEARNING_RATE = 1e-2
+SHAPES = {"b": (3,), "w": (4, 3)}  # a 2-D leaf for muon and galore
+
+
+def _needs_learning_rate(factory: Callable) -> bool:
+    param = inspect.signature(factory).parameters["learning_rate"]
+    return param.default is inspect.Parameter.empty
+
+
+def _probe(factory: Callable) -> bool:
+    kwargs = {"learning_rate": LEARNING_RATE} if _needs_learning_rate(factory) else {}
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    try:
+        opt = factory(**kwargs)
+
+        def step(params):
+            state = opt.init(params)
+            return opt.update(params, state, params)
+
+        jax.eval_shape(step, params)
+    except Exception:  # noqa: BLE001 - "needs extra arguments" takes many forms
+        return False
+    return True
+
+
+def _discover() -> dict[str, Callable]:
+    found: dict[str, Callable] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for prefix, module in (("", optax), ("contrib.", optax.contrib)):
+            for name in sorted(dir(module)):
+                if name.startswith("_"):
+                    continue
+                factory = getattr(module, name)
+                if not inspect.isfunction(factory):
+                    continue
+                try:
+                    signature = inspect.signature(factory)
+                except (TypeError, ValueError):
+                    continue
+                if "learning_rate" not in signature.parameters:
+                    continue
+                if _probe(factory):
+                    key = name if name not in found else prefix + name
+                    found[key] = factory
+    return dict(sorted(found.items()))
+
+
+ALIASES: dict[str, Callable] = _discover()
+NAMES: list[str] = list(ALIASES)
+
+
+def make(name: str, learning_rate=None) -> optax.GradientTransformation:
+    """A fresh optimizer: the alias with its defaults, `learning_rate=1e-2` if
+    it has no default, or `learning_rate` if given."""
+    factory = ALIASES[name]
+    if learning_rate is not None:
+        return factory(learning_rate=learning_rate)
+    if _needs_learning_rate(factory):
+        return factory(learning_rate=LEARNING_RATE)
+    return factory()
+
+
+# --------------------------------------------------------------------------
+# Data
+
+
+def params(dtype, seed: int = 0) -> dict[str, jax.Array]:
+    rng = np.random.default_rng(seed)
+    return {
+        k: jnp.asarray(rng.normal(size=s).astype(np.float32), dtype)
+        for k, s in SHAPES.items()
+    }
+
+
+def grads(n: int, dtype, seed: int = 1) -> list[dict[str, jax.Array]]:
+    """`n` distinct random gradients in `dtype` (float16-safe magnitudes)."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            k: jnp.asarray(rng.normal(size=s).astype(np.float32), dtype)
+            for k, s in SHAPES.items()
+        }
+        for _ in range(n)
+    ]
+
+
+def f32(x) -> np.ndarray:
+    """A numpy float32 copy of an array of any float dtype (bfloat16 included)."""
+    return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+def window_reduce(window, dtype, mean: bool = True) -> dict[str, jax.Array]:
+    """Mean (or sum) of a list of gradient dicts, by hand in numpy float32,
+    cast to `dtype`. NaN and inf propagate as in plain arithmetic."""
+    out = {}
+    for k in window[0]:
+        stacked = np.stack([f32(g[k]) for g in window])
+        with np.errstate(invalid="ignore", over="ignore"):
+            red = stacked.mean(axis=0) if mean else stacked.sum(axis=0)
+        out[k] = jnp.asarray(red.astype(np.float32)).astype(dtype)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Assertions
+
+
+def leaf_avals(tree) -> list[tuple[str, tuple, str, bool]]:
+    """(path, shape, dtype, weak_type) of every leaf; typed PRNG keys compare
+    by their key dtype."""
+    return [
+        (
+            jax.tree_util.keystr(path),
+            tuple(jnp.shape(x)),
+            str(jnp.asarray(x).dtype) if not hasattr(x, "dtype") else str(x.dtype),
+            bool(getattr(x, "weak_type", False)),
+        )
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+
+
+def assert_same_avals(tree, like, what: str) -> None:
+    assert jax.tree.structure(tree) == jax.tree.structure(like), (
+        f"{what}: tree structure changed: {jax.tree.structure(tree)} vs "
+        f"{jax.tree.structure(like)}"
+    )
+    got, want = leaf_avals(tree), leaf_avals(like)
+    diffs = [(g, w) for g, w in zip(got, want, strict=True) if g != w]
+    assert not diffs, f"{what}: leaves changed (got, want): {diffs}"
+
+
+def assert_exact_zeros(updates, like, what: str) -> None:
+    """Every leaf is exactly zero (no NaN) with the dtype of `like`'s leaf."""
+    for (path, u), ref in zip(
+        jax.tree_util.tree_flatten_with_path(updates)[0],
+        jax.tree.leaves(like),
+        strict=True,
+    ):
+        where = f"{what} at {jax.tree_util.keystr(path)}"
+        assert u.dtype == ref.dtype, f"{where}: dtype {u.dtype}, want {ref.dtype}"
+        x = f32(u)
+        assert not np.isnan(x).any(), f"{where}: NaN in {x}"
+        assert np.array_equal(x, np.zeros_like(x)), f"{where}: not zeros: {x}"
+
+
+# Per-dtype tolerance, relative to the leaf's largest reference magnitude:
+# |got - want| <= TOL * max(|want|) + TOL * |want|.
+TOLERANCE = {
+    jnp.dtype(jnp.float32): 1e-5,
+    jnp.dtype(jnp.float16): 1e-2,
+    jnp.dtype(jnp.bfloat16): 4e-2,
+}
+
+
+def assert_close(got, want, what: str) -> None:
+    assert jax.tree.structure(got) == jax.tree.structure(want), what
+    for (path, g), w in zip(
+        jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True
+    ):
+        where = f"{what} at {jax.tree_util.keystr(path)}"
+        assert g.dtype == w.dtype, f"{where}: dtype {g.dtype}, want {w.dtype}"
+        assert g.shape == w.shape, f"{where}: shape {g.shape}, want {w.shape}"
+        gx, wx = f32(g), f32(w)
+        assert np.array_equal(np.isnan(gx), np.isnan(wx)), f"{where}: NaN differ\n{gx}\n{wx}"
+        assert np.array_equal(np.isinf(gx), np.isinf(wx)), f"{where}: inf differ\n{gx}\n{wx}"
+        finite = np.isfinite(wx)
+        if not finite.any():
+            continue
+        tol = TOLERANCE[jnp.dtype(w.dtype)]
+        scale = np.abs(wx[finite]).max()
+        err = np.abs(gx - wx)[finite]
+        bound = tol * scale + tol * np.abs(wx[finite])
+        assert (err <= bound).all(), (
+            f"{where}: max error {err.max():.3g} (scale {scale:.3g}, tol {tol})\n"
+            f"got  {gx}\nwant {wx}"
+        )
+        assert np.array_equal(gx[~finite], wx[~finite], equal_nan=True), (
+            f"{where}: non-finite entries differ\ngot  {gx}\nwant {wx}"
+        )

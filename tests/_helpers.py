@@ -1,0 +1,35 @@
+"""Small helpers shared by the tests (independent of optax_ext's code)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def avals(tree):
+    """(shape, dtype, weak_type) of every leaf, with its path."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [
+        (
+            jax.tree_util.keystr(path),
+            tuple(jnp.shape(x)),
+            str(x.dtype),
+            bool(getattr(x, "weak_type", False)),
+        )
+        for path, x in leaves
+    ]
+
+
+def assert_exact_zeros(tree, like=None):
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        x = np.asarray(jnp.asarray(x, jnp.float32) if x.dtype == jnp.bfloat16 else x)
+        assert not np.isnan(x).any(), f"NaN at {jax.tree_util.keystr(path)}"
+        assert (x == 0).all(), f"non-zero at {jax.tree_util.keystr(path)}: {x}"
+    if like is not None:
+        assert avals(tree) == avals(like)
+
+
+def to_np(x):
+    x = jnp.asarray(x)
+    if x.dtype in (jnp.bfloat16, jnp.float16):
+        x = x.astype(jnp.float32)
+    return np.asarray(x)

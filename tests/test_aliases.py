@@ -1,0 +1,306 @@
+"""Every optax alias through MultiSteps and inject_hyperparams.
+
+The aliases are discovered at import (see `_aliases.py`): every function of
+`optax` and `optax.contrib` with a `learning_rate` parameter that inits and
+updates a small params dict (a 2-D and a 1-D leaf) without extra arguments.
+
+Each test compares optax_ext with an independent reference built from the bare
+alias (a second, fresh instance) and numpy, never with optax_ext's own output:
+
+- MultiSteps emits exactly what the bare optimizer gives on the window's mean
+  (or sum), returns exact zeros on the other mini-steps, keeps every state
+  leaf's shape, dtype and weak type, and leaves the inner state untouched
+  between emissions; also with `zero_nans` in the chain (a NaN entered in one
+  window must not reach the next) and with `skip_not_finite` (a skipped
+  mini-step is as if it never happened).
+- inject_hyperparams jits (`jax.jit(init)`, `jax.jit(update)`) with no
+  `static_args`, and its updates equal the bare alias's, dtype included, with
+  a constant learning rate and with a schedule.
+
+Speed: each case jits `init`/`update` once and calls them per step (a stable
+state means one compilation), rather than many small jitted pieces.
+
+The `test_upstream_*` tests show optax's own versions failing these contracts.
+They assert optax's failure, so they will start failing if optax fixes it:
+then delete them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import _aliases as A
+import optax_ext
+
+nan, inf = float("nan"), float("inf")
+
+pytestmark = pytest.mark.filterwarnings(
+    # optax.noisy_sgd without `key=`: we rely on its default seed on purpose.
+    "ignore:Specifying a key will be required:UserWarning"
+)
+
+NAMES = A.NAMES
+FLOATS = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+K = 3  # mini-steps per window
+
+_apply_updates = jax.jit(optax.apply_updates)
+
+
+def test_discovery_finds_the_known_aliases():
+    # A floor, not an exact list: optax may add aliases. These 44 ran
+    # without extra arguments when the suite was written (optax 0.2.8).
+    known = (
+        "adabelief adadelta adafactor adagrad adam adamax adamaxw adamw adan "
+        "amsgrad fromage lamb lars lion noisy_sgd novograd optimistic_adam "
+        "optimistic_adam_v2 optimistic_gradient_descent radam rmsprop rprop "
+        "scale_by_learning_rate scale_by_rprop sgd sign_sgd signum sm3 yogi "
+        "acprop ademamix adopt cocob dadapt_adamw dog dowg galore madgrad muon "
+        "prodigy scale_by_madgrad schedule_free_adamw schedule_free_sgd "
+        "simplified_ademamix"
+    ).split()
+    missing = [n for n in known if n not in NAMES]
+    assert not missing, missing
+    assert NAMES == sorted(NAMES)
+
+
+# --------------------------------------------------------------------------
+# MultiSteps
+
+
+def _bad(g, value):
+    """A copy of gradient dict `g` with one non-finite entry."""
+    return {**g, "w": g["w"].at[1, 2].set(value)}
+
+
+def _scenario(variant: str, dtype):
+    """The mini-step gradients, the windows the reference sees, and the
+    indices of the emitting mini-steps."""
+    g = A.grads(2 * K, dtype)
+    if variant == "zero_nans":
+        # A NaN enters the first window; zero_nans zeroes that entry of the
+        # first window's mean, and the second window must be clean again.
+        g[1] = _bad(g[1], nan)
+        return g, [g[:K], g[K:]], [K - 1, 2 * K - 1]
+    if variant == "skip_not_finite":
+        # One non-finite mini-step in the middle of each window: skipped, as if
+        # it never happened.
+        steps = [g[0], _bad(g[1], nan), g[1], g[2], g[3], g[4], _bad(g[5], -inf), g[5]]
+        return steps, [g[:K], g[K:]], [3, 7]
+    return g, [g[:K], g[K:]], [K - 1, 2 * K - 1]
+
+
+def _multisteps_and_reference(name, variant, use_grad_mean=True):
+    if variant == "zero_nans":
+        inner = optax.chain(optax_ext.zero_nans(), A.make(name))
+        reference = optax.chain(optax.zero_nans(), A.make(name))
+    else:
+        inner, reference = A.make(name), A.make(name)
+    skip = optax.skip_not_finite if variant == "skip_not_finite" else None
+    ms = optax_ext.MultiSteps(
+        inner, K, use_grad_mean=use_grad_mean, should_skip_update_fn=skip
+    )
+    return ms, reference
+
+
+def _run(opt, params, steps):
+    """Eager `init`, then one jitted `update` per step; params are updated with
+    `apply_updates` after each step. Returns (init state, [(updates, state)])."""
+    state0 = opt.init(params)
+    update = jax.jit(opt.update)
+    state, out = state0, []
+    for g in steps:
+        updates, state = update(g, state, params)
+        params = _apply_updates(params, updates)
+        out.append((updates, state))
+    return state0, out
+
+
+def _bits(tree):
+    """Leaves as numpy arrays for exact comparison (typed keys as key data)."""
+    return [
+        np.asarray(jax.random.key_data(x))
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        else np.asarray(x)
+        for x in jax.tree.leaves(tree)
+    ]
+
+
+def _check_multisteps(name, variant, dtype, use_grad_mean=True):
+    dtype = jnp.dtype(dtype)
+    params = A.params(dtype)
+    steps, windows, emit_at = _scenario(variant, dtype)
+    ms, reference = _multisteps_and_reference(name, variant, use_grad_mean)
+    state0, out = _run(ms, params, steps)
+    reduced = [A.window_reduce(w, dtype, mean=use_grad_mean) for w in windows]
+    _, ref_out = _run(reference, params, reduced)
+
+    for i, (updates, state) in enumerate(out):
+        A.assert_same_avals(state, state0, f"state after mini-step {i}")
+        # The window this mini-step belongs to: its emission gives the dtype.
+        window = next(j for j, e in enumerate(emit_at) if i <= e)
+        ref_updates = ref_out[window][0]
+        if i in emit_at:
+            A.assert_close(updates, ref_updates, f"emitted updates at mini-step {i}")
+        else:
+            A.assert_exact_zeros(updates, ref_updates, f"updates at mini-step {i}")
+            # The inner optimizer did not touch its state.
+            before = out[i - 1][1] if i else state0
+            for a, b in zip(
+                _bits(state.inner_opt_state), _bits(before.inner_opt_state), strict=True
+            ):
+                assert np.array_equal(a, b, equal_nan=True), (
+                    f"inner state changed at non-emitting mini-step {i}"
+                )
+
+
+@pytest.mark.parametrize("variant", ["plain", "zero_nans", "skip_not_finite"])
+@pytest.mark.parametrize("dtype", list(FLOATS), ids=list(FLOATS))
+@pytest.mark.parametrize("name", NAMES)
+def test_multisteps_emits_inner_on_window_mean(name, dtype, variant):
+    _check_multisteps(name, variant, FLOATS[dtype])
+
+
+@pytest.mark.parametrize("name", [n for n in ("sgd", "adam", "lion", "muon") if n in NAMES])
+def test_multisteps_sum_of_window(name):
+    _check_multisteps(name, "plain", jnp.float32, use_grad_mean=False)
+
+
+# --------------------------------------------------------------------------
+# inject_hyperparams
+
+
+def _learning_rate(kind):
+    return A.LEARNING_RATE if kind == "constant" else optax.linear_schedule(1e-2, 1e-3, 10)
+
+
+def _bare_updates(name, learning_rate, params, steps):
+    bare = A.ALIASES[name](learning_rate=learning_rate)
+    _, out = _run(bare, params, steps)
+    return [u for u, _ in out]
+
+
+@pytest.mark.parametrize("lr", ["constant", "schedule"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", NAMES)
+def test_inject_hyperparams_matches_bare(name, dtype, lr):
+    dtype = jnp.dtype(FLOATS[dtype])
+    params, steps = A.params(dtype), A.grads(3, dtype)
+    learning_rate = _learning_rate(lr)
+    if lr == "schedule":
+        try:
+            want = _bare_updates(name, learning_rate, params, steps)
+        except Exception as e:  # noqa: BLE001
+            pytest.skip(f"bare optax {name} does not take a schedule: {e!r:.200}")
+    else:
+        want = _bare_updates(name, learning_rate, params, steps)
+
+    opt = optax_ext.inject_hyperparams(A.ALIASES[name])(learning_rate=learning_rate)
+    state0 = jax.jit(opt.init)(params)
+    update = jax.jit(opt.update)
+    state = state0
+    for i, (g, w) in enumerate(zip(steps, want, strict=True)):
+        updates, state = update(g, state, params)
+        A.assert_same_avals(state, state0, f"state after step {i}")
+        A.assert_close(updates, w, f"updates at step {i}")
+        params = _apply_updates(params, updates)
+    assert update._cache_size() == 1, "jit(update) compiled more than once"
+    if lr == "schedule":
+        np.testing.assert_allclose(
+            float(state.hyperparams["learning_rate"]),
+            float(optax.linear_schedule(1e-2, 1e-3, 10)(2)),
+            rtol=1e-6,
+        )
+
+
+# --------------------------------------------------------------------------
+# The same contracts fail in optax itself. These assert optax's failure: if
+# optax fixes one, its test fails and can be deleted.
+
+
+def _bf16_adam_case():
+    p = {"w": jnp.ones(4, jnp.bfloat16)}
+    g = {"w": jnp.full(4, 0.1, jnp.bfloat16)}
+    return p, g
+
+
+def test_upstream_inject_bf16_adam_is_nan():
+    # optax casts b2=0.999 to bfloat16 (1.0): the bias correction divides by 0.
+    p, g = _bf16_adam_case()
+    bare, _ = optax.adam(1e-2).update(g, optax.adam(1e-2).init(p), p)
+    assert np.isfinite(A.f32(bare["w"])).all()
+    o = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+    upstream, _ = o.update(g, o.init(p), p)
+    assert np.isnan(A.f32(upstream["w"])).all()  # upstream failure
+    o = optax_ext.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+    ours, _ = o.update(g, o.init(p), p)
+    A.assert_close(ours, bare, "optax_ext bf16 adam")
+
+
+def test_upstream_inject_schedule_changes_update_dtype():
+    p, g = _bf16_adam_case()
+    schedule = optax.linear_schedule(1e-2, 1e-3, 10)
+    bare = optax.adam(schedule)
+    want, _ = bare.update(g, bare.init(p), p)
+    assert want["w"].dtype == jnp.bfloat16
+    o = optax.inject_hyperparams(optax.adam)(learning_rate=schedule)
+    upstream, _ = o.update(g, o.init(p), p)
+    assert upstream["w"].dtype == jnp.float32  # upstream failure
+    o = optax_ext.inject_hyperparams(optax.adam)(learning_rate=schedule)
+    ours, _ = o.update(g, o.init(p), p)
+    assert ours["w"].dtype == jnp.bfloat16
+
+
+def test_upstream_inject_adafactor_jit_init_fails():
+    params = A.params(jnp.float32)
+    o = optax.inject_hyperparams(optax.adafactor)(learning_rate=1e-2)
+    with pytest.raises(jax.errors.TracerBoolConversionError):  # upstream failure
+        jax.jit(o.init)(params)
+    jax.jit(optax_ext.inject_hyperparams(optax.adafactor)(learning_rate=1e-2).init)(
+        params
+    )
+
+
+def test_upstream_inject_adopt_jit_init_fails():
+    params = A.params(jnp.float32)
+    o = optax.inject_hyperparams(optax.contrib.adopt)(learning_rate=1e-2)
+    with pytest.raises(TypeError, match="not callable"):  # upstream failure
+        jax.jit(o.init)(params)
+    jax.jit(optax_ext.inject_hyperparams(optax.contrib.adopt)(learning_rate=1e-2).init)(
+        params
+    )
+
+
+def test_upstream_multisteps_nan_freezes_entry():
+    # optax resets the accumulator by multiplying by 0: a NaN stays forever,
+    # and with zero_nans the entry gets a zero update at every later emission.
+    steps, windows, emit_at = _scenario("zero_nans", jnp.float32)
+    params = A.params(jnp.float32)
+    reference = optax.chain(optax.zero_nans(), optax.sgd(1.0))
+    want = reference.update(A.window_reduce(windows[1], jnp.float32), None)[0]
+    ms = optax.MultiSteps(optax.chain(optax.zero_nans(), optax.sgd(1.0)), K)
+    state, updates = ms.init(params), None
+    for g in steps:
+        updates, state = ms.update(g, state, params)
+    assert A.f32(want["w"])[1, 2] != 0
+    assert A.f32(updates["w"])[1, 2] == 0  # upstream failure
+    ms = optax_ext.MultiSteps(optax.chain(optax_ext.zero_nans(), optax.sgd(1.0)), K)
+    state = ms.init(params)
+    for g in steps:
+        updates, state = ms.update(g, state, params)
+    A.assert_close(updates, want, "optax_ext second window")
+
+
+def test_upstream_multisteps_inf_gives_nan_on_accumulating_step():
+    # optax returns `emit * inner_update`, and 0 * inf is NaN.
+    params = A.params(jnp.float32)
+    g = _bad(A.grads(1, jnp.float32)[0], inf)
+    ms = optax.MultiSteps(optax.sgd(1.0), K)
+    updates, _ = ms.update(g, ms.init(params), params)
+    assert np.isnan(A.f32(updates["w"])).any()  # upstream failure
+    ms = optax_ext.MultiSteps(optax.sgd(1.0), K)
+    updates, _ = ms.update(g, ms.init(params), params)
+    A.assert_exact_zeros(updates, params, "optax_ext")

@@ -1,0 +1,493 @@
+"""MultiSteps: gradient accumulation contracts, against hand-made references.
+
+Tests parametrised with `impl` also run optax.MultiSteps, marked as a strict
+expected failure where upstream fails the contract: the suite shows which
+contracts optax breaks and would notice if it stopped breaking them.
+"""
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+
+import optax_ext
+from _helpers import assert_exact_zeros, avals, to_np
+
+nan, inf = float("nan"), float("inf")
+
+
+def upstream(reason, raises=None):
+    return pytest.param(
+        optax.MultiSteps,
+        marks=pytest.mark.xfail(strict=True, reason=f"optax: {reason}", raises=raises),
+        id="optax",
+    )
+
+
+OURS = pytest.param(optax_ext.MultiSteps, id="optax_ext")
+
+
+# --- an inner optimizer whose state holds every kind of leaf -----------------
+
+ZOO_DTYPES = [
+    "bool", "int8", "int16", "int32", "uint8", "uint16", "uint32",
+    "float16", "bfloat16", "float32", "complex64",
+]  # fmt: skip
+
+
+def _zoo_leaf(dtype, shape):
+    return jnp.zeros(shape, dtype)
+
+
+def _bump(x):
+    """One step of a leaf: a change that keeps dtype, shape and weak type."""
+    if x.dtype == jnp.bool_:
+        return jnp.logical_not(x)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.split(x.reshape(-1)[0], x.size).reshape(x.shape)
+    return x + 1  # a Python 1 keeps the dtype and weak type of x
+
+
+def state_zoo(leaves, promote=False):
+    """Inner optimizer: its state is `leaves`, each bumped once per update.
+
+    With `promote=True` it misbehaves the way optax's old blending did
+    (optax #828): bool leaves come back as int32, weak leaves as strong ones,
+    half-precision leaves as float32.
+    """
+
+    def init(params):
+        del params
+        return dict(leaves)
+
+    def update(updates, state, params=None):
+        del params
+        new = {k: _bump(v) for k, v in state.items()}
+        if promote:
+            for k, v in new.items():
+                if v.dtype == jnp.bool_:
+                    new[k] = v.astype(jnp.int32)
+                elif v.dtype in (jnp.float16, jnp.bfloat16) or getattr(
+                    v, "weak_type", False
+                ):
+                    new[k] = jnp.asarray(v, jnp.float32)
+        return jax.tree.map(lambda g: -g, updates), new
+
+    return optax.GradientTransformation(init, update)
+
+
+def zoo_leaves():
+    leaves = {d: _zoo_leaf(d, (2,)) for d in ZOO_DTYPES}
+    leaves["scalar_bool"] = jnp.zeros((), bool)  # zero_nans' found_nan
+    leaves["weak_float"] = jnp.asarray(0.0)  # weak
+    leaves["weak_int"] = jnp.asarray(0)  # weak
+    leaves["typed_key"] = jax.random.key(0)
+    leaves["raw_key"] = jax.random.PRNGKey(0)  # uint32[2]
+    return leaves
+
+
+def _expected_zoo(leaves, n_emits):
+    out = dict(leaves)
+    for _ in range(n_emits):
+        out = {k: _bump(v) for k, v in out.items()}
+    return out
+
+
+def _assert_zoo_equal(got, want):
+    assert avals(got) == avals(want)
+    for k in want:
+        g, w = got[k], want[k]
+        if jax.dtypes.issubdtype(w.dtype, jax.dtypes.prng_key):
+            g, w = jax.random.key_data(g), jax.random.key_data(w)
+        np.testing.assert_array_equal(to_np(g), to_np(w), err_msg=k)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("impl", [OURS, upstream("weak types and keys are lost")])
+def test_inner_state_keeps_every_leaf_kind(impl, jit):
+    leaves = zoo_leaves()
+    opt = impl(state_zoo(leaves), every_k_schedule=3)
+    params = {"w": jnp.zeros(3)}
+    state = opt.init(params)
+    update = jax.jit(opt.update) if jit else opt.update
+    for step in range(1, 8 if jit else 5):
+        _, state = update({"w": jnp.full(3, float(step))}, state, params)
+        # The inner state has moved once per emitted window and not otherwise.
+        _assert_zoo_equal(state.inner_opt_state, _expected_zoo(leaves, step // 3))
+
+
+def test_inner_state_keeps_leaf_kinds_under_x64():
+    with jax.enable_x64(True):
+        leaves = {
+            d: jnp.zeros((2,), d)
+            for d in ["float64", "int64", "uint64", "complex128", "float32"]
+        }
+        leaves["weak64"] = jnp.asarray(0.0)
+        assert leaves["weak64"].dtype == jnp.float64
+        opt = optax_ext.MultiSteps(state_zoo(leaves), every_k_schedule=2)
+        params = {"w": jnp.zeros(2, jnp.float64)}
+        state = opt.init(params)
+        update = jax.jit(opt.update)
+        for step in range(1, 6):
+            _, state = update({"w": jnp.ones(2, jnp.float64)}, state, params)
+            _assert_zoo_equal(state.inner_opt_state, _expected_zoo(leaves, step // 2))
+        assert state.acc_grads["w"].dtype == jnp.float64  # no loss of precision
+
+
+def test_misbehaving_inner_optimizer_is_conformed():
+    """An inner optimizer that promotes its own state still leaves MultiSteps'
+    state with the avals it had at init (optax #828, #377, #1038, #1552)."""
+    leaves = zoo_leaves()
+    opt = optax_ext.MultiSteps(state_zoo(leaves, promote=True), every_k_schedule=2)
+    params = {"w": jnp.zeros(3)}
+    state = opt.init(params)
+    want = avals(state)
+    step = jax.jit(opt.update)
+    for _ in range(5):
+        _, state = step({"w": jnp.ones(3)}, state, params)
+        assert avals(state) == want
+
+
+@settings(max_examples=12)
+@given(
+    dtypes=st.lists(st.sampled_from(ZOO_DTYPES), min_size=1, max_size=4),
+    shape=st.sampled_from([(), (1,), (3,), (2, 2)]),
+    k=st.integers(1, 4),
+    steps=st.integers(1, 9),
+)
+def test_inner_state_property(dtypes, shape, k, steps):
+    leaves = {f"{i}_{d}": _zoo_leaf(d, shape) for i, d in enumerate(dtypes)}
+    opt = optax_ext.MultiSteps(state_zoo(leaves), every_k_schedule=k)
+    params = [jnp.zeros(shape, jnp.bfloat16)]
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    for _ in range(steps):
+        _, state = update([jnp.ones(shape, jnp.bfloat16)], state, params)
+    _assert_zoo_equal(state.inner_opt_state, _expected_zoo(leaves, steps // k))
+
+
+# --- non-emitting steps return exact zeros -----------------------------------
+
+
+def _always_inf():
+    def update(updates, state, params=None):
+        return jax.tree.map(lambda u: jnp.full_like(u, inf), updates), state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize(
+    "impl, jit, dtype",
+    [
+        (optax_ext.MultiSteps, jit, dtype)
+        for jit in (False, True)
+        for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
+    ]
+    # XLA rewrites optax's `emit * inf` into a select for some dtypes; for
+    # bfloat16 it stays a product and gives NaN.
+    + [pytest.param(optax.MultiSteps, True, jnp.bfloat16, marks=pytest.mark.xfail(strict=True))],
+)
+def test_non_emitting_steps_are_exact_zeros(impl, jit, dtype):
+    opt = impl(_always_inf(), every_k_schedule=3)
+    params = {"w": jnp.zeros(4, dtype)}
+    state = opt.init(params)
+    step = jax.jit(opt.update) if jit else opt.update
+    for i in range(6):
+        updates, state = step({"w": jnp.ones(4, dtype)}, state, params)
+        if i % 3 != 2:
+            assert_exact_zeros(updates, like={"w": jnp.zeros(4, dtype)})
+        else:
+            assert np.isinf(to_np(updates["w"])).all()
+
+
+@pytest.mark.parametrize("impl", [OURS, upstream("returns 0 * -inf = nan")])
+def test_inf_gradient_gives_zeros_on_mini_steps(impl):
+    opt = impl(optax.sgd(1.0), every_k_schedule=3)
+    params = {"w": jnp.zeros(2)}
+    state = opt.init(params)
+    updates, state = opt.update({"w": jnp.array([inf, 1.0])}, state, params)
+    assert_exact_zeros(updates)
+
+
+# --- NaN and inf never cross a window ----------------------------------------
+
+
+@pytest.mark.parametrize("bad", [nan, inf])
+@pytest.mark.parametrize("impl", [OURS, upstream("resets with 0 * acc")])
+def test_bad_value_stays_in_its_window(impl, bad):
+    """The reproducer of upstream-optax.md item 1, with NaN and with inf."""
+    opt = impl(optax.chain(optax_ext.zero_nans(), optax.sgd(1.0)), every_k_schedule=2)
+    params = {"w": jnp.zeros(2)}
+    state = opt.init(params)
+    emitted = []
+    for g in [[bad, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [3.0, 5.0], [1.0, 1.0]]:
+        updates, state = opt.update({"w": jnp.array(g)}, state, params)
+        emitted.append(to_np(updates["w"]))
+    np.testing.assert_array_equal(emitted[3], [-1.0, -1.0])
+    np.testing.assert_array_equal(emitted[5], [-2.0, -3.0])
+    assert np.isfinite(to_np(state.acc_grads["w"])).all()
+
+
+# --- emitting steps equal the inner optimizer on the window mean -------------
+
+
+def _reference_run(make_inner, grads, ks, use_grad_mean):
+    """Plain optax on the mean (or sum) of each window, by hand."""
+    inner = make_inner()
+    state = inner.init(jnp.zeros_like(grads[0]))
+    outs, window = [], []
+    gradient_step = 0
+    for g in grads:
+        window.append(np.asarray(g, np.float64))
+        if len(window) == ks(gradient_step):
+            total = np.sum(window, axis=0)
+            acc = total / len(window) if use_grad_mean else total
+            u, state = inner.update(jnp.asarray(acc, jnp.float32), state)
+            outs.append(to_np(u))
+            window, gradient_step = [], gradient_step + 1
+        else:
+            outs.append(np.zeros(g.shape))
+    return outs
+
+
+@settings(max_examples=15)
+@given(
+    k_table=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    n_steps=st.integers(1, 12),
+    use_grad_mean=st.booleans(),
+    seed=st.integers(0, 2**16),
+    as_function=st.booleans(),
+)
+def test_emitted_updates_match_reference(
+    k_table, n_steps, use_grad_mean, seed, as_function
+):
+    if as_function:
+
+        def ks(step):
+            return jnp.asarray(k_table)[jnp.minimum(step, len(k_table) - 1)]
+
+        def ks_py(step):
+            return k_table[min(step, len(k_table) - 1)]
+
+    else:
+        ks, ks_py = k_table[0], lambda _: k_table[0]
+    grads = list(np.random.default_rng(seed).normal(size=(n_steps, 3)).astype(np.float32))
+
+    def make():
+        return optax.adam(0.1)
+
+    opt = optax_ext.MultiSteps(make(), every_k_schedule=ks, use_grad_mean=use_grad_mean)
+    params = jnp.zeros(3)
+    state = opt.init(params)
+    want = _reference_run(make, grads, ks_py, use_grad_mean)
+    step = jax.jit(opt.update)
+    for g, w in zip(grads, want, strict=True):
+        u, state = step(jnp.asarray(g), state, params)
+        np.testing.assert_allclose(to_np(u), w, rtol=1e-5, atol=1e-6)
+
+
+def test_has_updated_and_counters():
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=3)
+    params = jnp.zeros(2)
+    state = opt.init(params)
+    seen = []
+    for _ in range(7):
+        _, state = opt.update(jnp.ones(2), state, params)
+        seen.append((bool(opt.has_updated(state)), int(state.mini_step), int(state.gradient_step)))
+    assert seen == [
+        (False, 1, 0), (False, 2, 0), (True, 0, 1),
+        (False, 1, 1), (False, 2, 1), (True, 0, 2), (False, 1, 2),
+    ]  # fmt: skip
+
+
+# --- should_skip_update_fn -----------------------------------------------------
+
+
+def test_skip_not_finite_drops_the_mini_step():
+    opt = optax_ext.MultiSteps(
+        optax.sgd(1.0), every_k_schedule=3, should_skip_update_fn=optax.skip_not_finite
+    )
+    params = jnp.zeros(2)
+    state = opt.init(params)
+    grads = [[1.0, 2.0], [nan, 0.0], [3.0, 4.0], [inf, 1.0], [5.0, 9.0]]
+    outs = []
+    for g in grads:
+        u, state = opt.update(jnp.array(g), state, params)
+        outs.append(to_np(u))
+        assert np.isfinite(to_np(state.acc_grads)).all()
+    assert int(state.skip_state["num_not_finite"]) == 0
+    for i in range(4):
+        assert_exact_zeros(jnp.asarray(outs[i]))
+    np.testing.assert_allclose(outs[4], -np.mean([[1, 2], [3, 4], [5, 9]], axis=0))
+    assert int(state.gradient_step) == 1 and int(state.mini_step) == 0
+
+
+def test_skip_state_records_decision():
+    opt = optax_ext.MultiSteps(
+        optax.sgd(1.0), every_k_schedule=2, should_skip_update_fn=optax.skip_not_finite
+    )
+    state = opt.init(jnp.zeros(2))
+    _, state = opt.update(jnp.array([nan, inf]), state)
+    assert bool(state.skip_state["should_skip"])
+    assert int(state.skip_state["num_not_finite"]) == 2
+    assert int(state.mini_step) == 0
+
+
+# --- extra arguments, state type and checkpoints -------------------------------
+
+
+def _scale_by_value():
+    def update(updates, state, params=None, *, value):
+        return jax.tree.map(lambda u: u * value, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+
+
+def test_extra_args_reach_the_inner_optimizer():
+    opt = optax_ext.MultiSteps(_scale_by_value(), every_k_schedule=2)
+    state = opt.init(jnp.zeros(2))
+    u, state = opt.update(jnp.array([1.0, 2.0]), state, value=jnp.float32(5.0))
+    assert_exact_zeros(u)
+    u, state = jax.jit(opt.update)(jnp.array([3.0, 4.0]), state, value=jnp.float32(10.0))
+    np.testing.assert_allclose(to_np(u), [20.0, 30.0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_state_is_interchangeable_with_optax(dtype):
+    params = {"a": jnp.ones((3, 2), dtype), "b": jnp.ones(2, dtype)}
+    ours = optax_ext.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+    theirs = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+    s_ours, s_theirs = ours.init(params), theirs.init(params)
+    assert type(s_ours) is optax.MultiStepsState
+    assert jax.tree.structure(s_ours) == jax.tree.structure(s_theirs)
+    assert avals(s_ours) == avals(s_theirs)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+    # A state written by optax continues under optax_ext, and the reverse.
+    _, s1 = theirs.update(grads, s_theirs, params)
+    u_ours, _ = ours.update(grads, s1, params)
+    _, s2 = ours.update(grads, s_ours, params)
+    u_theirs, _ = theirs.update(grads, s2, params)
+    for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_theirs), strict=True):
+        np.testing.assert_allclose(to_np(a), to_np(b), rtol=1e-2)
+        assert a.dtype == b.dtype == dtype
+    assert ours.inner_opt.init is not None
+    tx = ours.gradient_transformation()
+    assert isinstance(tx, optax.GradientTransformation)
+    assert avals(tx.init(params)) == avals(s_ours)
+
+
+# --- Equinox ----------------------------------------------------------------
+
+
+def _mlp():
+    return eqx.nn.MLP(3, 2, 8, 2, activation=jax.nn.relu, key=jax.random.key(0))
+
+
+def _loss(model, x):
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+@pytest.mark.parametrize(
+    "impl", [OURS, upstream("non-array leaves (equinox #590)", raises=TypeError)]
+)
+def test_whole_equinox_model_as_params(impl):
+    model = _mlp()
+    xs = jax.random.normal(jax.random.key(1), (4, 5, 3))
+    opt = impl(optax.adam(1e-2), every_k_schedule=2)
+    state = opt.init(model)
+    ref = optax.adam(1e-2)
+    arrays = eqx.filter(model, eqx.is_array)
+    ref_state = ref.init(arrays)
+    update = eqx.filter_jit(opt.update)
+    for i in range(4):
+        grads = eqx.filter_grad(_loss)(model, xs[i])
+        assert any(g is None for g in jax.tree.leaves(grads, is_leaf=lambda x: x is None))
+        updates, state = update(grads, state, model)
+        if i % 2 == 1:
+            prev = eqx.filter_grad(_loss)(model, xs[i - 1])
+            mean = jax.tree.map(lambda a, b: (a + b) / 2, prev, grads)
+            want, ref_state = ref.update(mean, ref_state, arrays)
+            for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(want), strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        else:
+            assert_exact_zeros(updates)
+        model = eqx.apply_updates(model, updates)
+
+
+def test_train_step_compiles_once():
+    model = _mlp()
+    opt = optax_ext.MultiSteps(
+        optax.chain(optax_ext.zero_nans(), optax.adamw(1e-2)), every_k_schedule=3
+    )
+    state = opt.init(model)
+    traces = []
+
+    @eqx.filter_jit
+    def step(model, state, x):
+        traces.append(None)
+        grads = eqx.filter_grad(_loss)(model, x)
+        updates, state = opt.update(grads, state, model)
+        return eqx.apply_updates(model, updates), state
+
+    x = jax.random.normal(jax.random.key(2), (5, 3))
+    before = _loss(model, x)
+    for i in range(30):
+        xi = x.at[0, 0].set(nan) if i == 7 else x
+        model, state = step(model, state, xi)
+    assert len(traces) == 1
+    assert _loss(model, x) < before
+    assert all(jnp.isfinite(p).all() for p in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+
+
+# --- errors ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "3", True, None, [2]])
+def test_every_k_schedule_is_validated(bad):
+    with pytest.raises((TypeError, ValueError), match="every_k_schedule"):
+        optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=bad)
+
+
+def test_numpy_int_every_k_is_accepted():
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=np.int64(2))
+    state = opt.init(jnp.zeros(1))
+    _, state = opt.update(jnp.ones(1), state)
+    _, state = opt.update(jnp.ones(1), state)
+    assert bool(opt.has_updated(state))
+
+
+def test_inner_must_be_a_gradient_transformation():
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        optax_ext.MultiSteps(optax.adam, every_k_schedule=2)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda u, s, p: (jnp.array(0), ()),
+        lambda u, s, p: (jnp.zeros(2, bool), ()),
+        lambda u, s, p: (jnp.float32(0.0), ()),
+        lambda u, s, p: jnp.array(False),
+    ],
+    ids=["int", "vector", "float", "not-a-pair"],
+)
+def test_should_skip_must_return_scalar_bool(fn):
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=fn)
+    with pytest.raises(TypeError, match="should_skip_update_fn"):
+        jax.jit(opt.init)(jnp.zeros(2))
+
+
+def test_mismatched_grads_name_the_path():
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    params = {"layer": {"w": jnp.zeros(2), "b": jnp.zeros(1)}}
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"\['layer'\]\['b'\]"):
+        jax.jit(opt.update)({"layer": {"w": jnp.zeros(2)}}, state)
+    with pytest.raises(ValueError, match=r"\['layer'\]\['w'\]"):
+        opt.update({"layer": {"w": None, "b": jnp.zeros(1)}}, state)
+    with pytest.raises(ValueError, match=r"\['extra'\]"):
+        opt.update({"layer": params["layer"], "extra": jnp.zeros(1)}, state)
