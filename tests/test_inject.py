@@ -1,0 +1,223 @@
+"""inject_hyperparams: masks, schedules, numerics, hypergradients."""
+
+import inspect
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_ext
+from _helpers import avals, to_np
+
+
+class Net(eqx.Module):
+    w: jax.Array
+    b: jax.Array
+
+    def __call__(self, x):
+        return x @ self.w + self.b
+
+
+def _net(dtype=jnp.float32):
+    return Net(jnp.ones((3, 2), dtype), jnp.ones(2, dtype))
+
+
+def _grads(net):
+    return jax.tree.map(lambda p: jnp.full_like(p, 0.25), net)
+
+
+SCHEDULE = optax.linear_schedule(1e-1, 1e-2, 5)
+
+
+def _bool_net():
+    return Net(True, False)  # a callable pytree: an Equinox model of bools
+
+
+MASKS = {
+    "eqx-model": _bool_net,
+    "function": lambda: (lambda params: jax.tree.map(lambda p: p.ndim == 2, params)),
+    "plain-pytree": lambda: jax.tree.map(lambda p: p.ndim == 2, _net()),
+}
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("jit", [False, True])
+def test_masks_need_no_static_args(mask, jit):
+    """optax #1373: an Equinox model as a weight-decay mask, no static_args."""
+    net = _net()
+    opt = optax_ext.inject_hyperparams(optax.adamw)(
+        SCHEDULE, weight_decay=0.5, mask=MASKS[mask]()
+    )
+    ref = optax.adamw(SCHEDULE, weight_decay=0.5, mask=MASKS[mask]())
+    init = jax.jit(opt.init) if jit else opt.init
+    update = jax.jit(opt.update) if jit else opt.update
+    state, ref_state = init(net), ref.init(net)
+    for _ in range(3):
+        u, state = update(_grads(net), state, net)
+        r, ref_state = ref.update(_grads(net), ref_state, net)
+        for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(r), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5)  # f32 rounding of 1 - b2
+        net = eqx.apply_updates(net, u)
+    # As in optax: the value used by the last update (step count 2).
+    np.testing.assert_allclose(state.hyperparams["learning_rate"], SCHEDULE(2), rtol=1e-6)
+
+
+def test_upstream_calls_an_equinox_mask_as_a_schedule():
+    opt = optax.inject_hyperparams(optax.adamw)(SCHEDULE, mask=_bool_net())
+    with pytest.raises((TypeError, ValueError)):  # Net called with the step count
+        opt.init(_net())
+
+
+def test_bf16_adam_equals_bare_adam():
+    """upstream-optax.md item 7: b2=0.999 must not round to 1.0 first."""
+    p = {"w": jnp.ones(4, jnp.bfloat16)}
+    g = {"w": jnp.full(4, 0.1, jnp.bfloat16)}
+    bare = optax.adam(1e-2)
+    want = bare.update(g, bare.init(p), p)[0]["w"]
+    for impl, ok in [(optax_ext, True), (optax, False)]:
+        o = impl.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+        got = o.update(g, o.init(p), p)[0]["w"]
+        assert got.dtype == want.dtype
+        assert np.array_equal(to_np(got), to_np(want)) == ok, impl.__name__
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_updates_dtype_equals_bare_with_schedule(dtype):
+    """upstream-optax.md item 8: a schedule must not make updates float32."""
+    net = _net(dtype)
+    bare = optax.adamw(SCHEDULE)
+    want = jax.eval_shape(bare.update, _grads(net), bare.init(net), net)[0]
+    ours = optax_ext.inject_hyperparams(optax.adamw)(SCHEDULE)
+    got = jax.eval_shape(ours.update, _grads(net), ours.init(net), net)[0]
+    assert avals(got) == avals(want)
+    theirs = optax.inject_hyperparams(optax.adamw)(SCHEDULE)
+    upstream = jax.eval_shape(theirs.update, _grads(net), theirs.init(net), net)[0]
+    assert (avals(upstream) == avals(want)) == (dtype == jnp.float32)
+
+
+def test_state_stays_stable_under_jit():
+    net = _net(jnp.bfloat16)
+    opt = optax_ext.inject_hyperparams(optax.adamw)(SCHEDULE, mask=_bool_net())
+    state = opt.init(net)
+    traces = []
+
+    @jax.jit
+    def step(state, net):
+        traces.append(None)
+        return opt.update(_grads(net), state, net)
+
+    for _ in range(5):
+        u, new_state = step(state, net)
+        assert avals(new_state) == avals(state)
+        state = new_state
+    assert len(traces) == 1
+
+
+def test_hyperparams_are_writable():
+    params = jnp.array([1.0, -2.0])
+    opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=None)
+    state = opt.init(params)
+    state.hyperparams["learning_rate"] = 0.5
+    u, state = jax.jit(opt.update)(jnp.array([1.0, 1.0]), state, params)
+    np.testing.assert_allclose(u, [-0.5, -0.5])
+    assert float(state.hyperparams["learning_rate"]) == 0.5
+
+
+def test_hypergradient_matches_hand_computation():
+    """d/d lr of L(p - lr * g) is -g . grad L(p - lr * g); L = sum(x**2)/2."""
+    p, g = jnp.array([1.0, -2.0, 3.0]), jnp.array([0.5, 0.25, -1.0])
+    opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    state = opt.init(p)
+
+    def loss_after_update(lr):
+        s = state._replace(hyperparams={**state.hyperparams, "learning_rate": lr})
+        u, _ = opt.update(g, s, p)
+        return 0.5 * jnp.sum(optax.apply_updates(p, u) ** 2)
+
+    lr = state.hyperparams["learning_rate"]
+    new_p = p - 0.1 * g
+    np.testing.assert_allclose(jax.grad(loss_after_update)(lr), -g @ new_p, rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(loss_after_update))(lr), -g @ new_p, rtol=1e-6
+    )
+
+
+def test_static_args_and_hyperparam_dtype_are_kept():
+    p = jnp.ones(3)
+    opt = optax_ext.inject_hyperparams(
+        optax.adamw, static_args="weight_decay", hyperparam_dtype=jnp.bfloat16
+    )(learning_rate=1e-2, weight_decay=1e-4)
+    state = jax.jit(opt.init)(p)
+    assert "weight_decay" not in state.hyperparams
+    assert state.hyperparams["b1"].dtype == jnp.bfloat16
+    assert not state.hyperparams["b1"].weak_type
+    with pytest.raises(ValueError, match="not_an_arg"):
+        optax_ext.inject_hyperparams(optax.adam, static_args=("b1", "not_an_arg"))
+
+
+def test_stateful_schedule():
+    class Halving(optax.schedules.StatefulSchedule):
+        def init(self):
+            return jnp.asarray(1.0)
+
+        def update(self, state, **extra_args):
+            return state / 2
+
+        def __call__(self, state, **extra_args):
+            return state
+
+    opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=Halving())
+    p = jnp.zeros(1)
+    state = opt.init(p)
+    outs = []
+    for _ in range(3):
+        u, state = opt.update(jnp.ones(1), state, p)
+        outs.append(float(u[0]))
+    assert outs == [-1.0, -0.5, -0.25]
+
+
+def _factory(
+    learning_rate,
+    count: int = 3,
+    fn=jnp.sqrt,
+    mask=None,
+    flag: bool = False,
+    name: str = "x",
+    dtype=jnp.float32,
+    tree_fn: "optax.Params" = None,
+):
+    del count, fn, mask, flag, name, dtype, tree_fn
+    return optax.sgd(learning_rate)
+
+
+def test_classification_rule():
+    """Each rule of the docstring, on one factory."""
+    seen = {}
+
+    def spy(*args, **kwargs):
+        bound = inspect.signature(_factory).bind(*args, **kwargs)
+        seen.update(bound.arguments)
+        return _factory(*args, **kwargs)
+
+    spy.__signature__ = inspect.signature(_factory)
+    opt = optax_ext.inject_hyperparams(spy)(
+        learning_rate=lambda c: 0.1,
+        count=5,
+        fn=jnp.exp,
+        mask=lambda params: params,
+        flag=True,
+        name="y",
+        dtype=jnp.bfloat16,
+        tree_fn=_net(),
+    )
+    state = opt.init(jnp.zeros(2))
+    assert set(state.hyperparams) == {"learning_rate"}
+    assert set(state.hyperparams_states) == {"learning_rate"}
+    assert seen["count"] == 5 and seen["fn"] is jnp.exp and seen["flag"] is True
+    assert seen["dtype"] is jnp.bfloat16 and isinstance(seen["tree_fn"], Net)
+    # An int where the default is a float (or absent) is injected.
+    opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=1)
+    assert "learning_rate" in opt.init(jnp.zeros(2)).hyperparams
