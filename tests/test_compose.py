@@ -1,0 +1,178 @@
+"""The three transformations composed with optax's combinators, with each
+other, with Flax's TrainState and with Equinox. References are computed by
+hand (sgd with learning rate 1 emits minus the window mean) or with plain
+optax on the averaged gradients."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_ext
+from _helpers import assert_exact_zeros
+
+nan = float("nan")
+G = [
+    {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0])},
+    {"a": jnp.array([3.0, nan]), "b": jnp.array([5.0])},
+    {"a": jnp.array([5.0, 6.0]), "b": jnp.array([7.0])},
+    {"a": jnp.array([7.0, 8.0]), "b": jnp.array([9.0])},
+]
+P = {"a": jnp.zeros(2), "b": jnp.zeros(1)}
+
+
+def _run(tx, grads=G, params=P, jit=True):
+    state = tx.init(params)
+    update = jax.jit(tx.update) if jit else tx.update
+    outs = []
+    for g in grads:
+        u, state = update(g, state, params)
+        outs.append(u)
+    return outs, state
+
+
+def _close(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def _ms(inner, k=2, **kw):
+    return optax_ext.MultiSteps(inner, every_k_schedule=k, **kw)
+
+
+def test_demo_composition_equals_adamw_on_mean():
+    """MultiSteps(chain(zero_nans, inject(adamw))) == adamw on the NaN-zeroed
+    window means."""
+    sched = optax.linear_schedule(0.1, 0.01, 4)
+    mask = {"a": True, "b": False}
+    tx = _ms(
+        optax.chain(
+            optax_ext.zero_nans(),
+            optax_ext.inject_hyperparams(optax.adamw)(sched, weight_decay=0.1, mask=mask),
+        )
+    )
+    outs, _ = _run(tx)
+    ref = optax.adamw(sched, weight_decay=0.1, mask=mask)
+    rs = ref.init(P)
+    for i in (1, 3):
+        mean = jax.tree.map(lambda x, y: jnp.nan_to_num((x + y) / 2, nan=0.0), G[i - 1], G[i])
+        want, rs = ref.update(mean, rs, P)
+        _close(outs[i], want)
+        assert_exact_zeros(outs[i - 1])
+
+
+def test_chain_named_chain_masked_partition():
+    zero_nans_sgd = optax.chain(optax_ext.zero_nans(), optax.sgd(1.0))
+    mean1 = {"a": np.array([-2.0, 0.0]), "b": np.array([-4.0])}  # nan zeroed
+    for tx in [
+        optax.chain(optax.identity(), _ms(zero_nans_sgd)),
+        optax.named_chain(("ms", _ms(zero_nans_sgd)), ("id", optax.identity())),
+        _ms(optax.named_chain(("zn", optax_ext.zero_nans()), ("sgd", optax.sgd(1.0)))),
+    ]:
+        outs, _ = _run(tx)
+        _close(outs[1], mean1)
+
+    # masked: only "a" is accumulated; "b" passes through unchanged.
+    outs, _ = _run(optax.masked(_ms(zero_nans_sgd), {"a": True, "b": False}))
+    np.testing.assert_array_equal(outs[0]["a"], [0.0, 0.0])
+    np.testing.assert_array_equal(outs[0]["b"], G[0]["b"])
+    np.testing.assert_array_equal(outs[1]["a"], [-2.0, 0.0])
+
+    # partition: "a" accumulated over 2, "b" over 4 (mean of 3, 5, 7, 9).
+    tx = optax.partition(
+        {"two": _ms(zero_nans_sgd, 2), "four": _ms(optax.sgd(1.0), 4)},
+        {"a": "two", "b": "four"},
+    )
+    outs, _ = _run(tx)
+    np.testing.assert_array_equal(outs[1]["a"], [-2.0, 0.0])
+    np.testing.assert_array_equal(outs[1]["b"], [0.0])
+    np.testing.assert_array_equal(outs[3]["b"], [-6.0])
+
+
+def test_apply_if_finite_both_ways():
+    # Outside: the NaN window's emitted update is non-finite, so
+    # apply_if_finite drops it and restores the state from before that step:
+    # the window still holds G[0] and completes with G[2].
+    outs, state = _run(optax.apply_if_finite(_ms(optax.sgd(1.0)), 5))
+    assert_exact_zeros(outs[1])
+    np.testing.assert_array_equal(outs[2]["a"], [-3.0, -4.0])
+    assert_exact_zeros(outs[3])
+    # Inside: the window mean with NaN reaches apply_if_finite, which skips it.
+    outs, state = _run(_ms(optax.apply_if_finite(optax.sgd(1.0), 5)))
+    assert_exact_zeros(outs[1])
+    np.testing.assert_array_equal(outs[3]["a"], [-6.0, -7.0])
+    assert int(state.inner_opt_state.total_notfinite) == 1
+
+
+def test_multi_steps_nested_in_multi_steps_and_in_inject():
+    grads = [{"w": jnp.array([float(i)])} for i in range(1, 13)]
+    params = {"w": jnp.zeros(1)}
+    outs, _ = _run(_ms(_ms(optax.sgd(1.0), 2), 3), grads, params)
+    emitted = [float(u["w"][0]) for u in outs]
+    assert emitted == [0.0] * 5 + [-3.5] + [0.0] * 5 + [-9.5]
+
+    def accumulated_sgd(learning_rate):
+        return _ms(optax.sgd(learning_rate), 2).gradient_transformation()
+
+    tx = optax_ext.inject_hyperparams(accumulated_sgd)(
+        learning_rate=optax.linear_schedule(1.0, 0.0, 4)
+    )
+    outs, state = _run(tx, grads[:4], params)
+    # The factory is rebuilt every step from the state: the learning rate of
+    # the emitting step applies to the window mean.
+    assert [float(u["w"][0]) for u in outs] == [0.0, -1.5 * 0.75, 0.0, -3.5 * 0.25]
+
+
+def test_inject_inside_zero_nans_chain_inside_multi_steps_bf16():
+    params = {"w": jnp.ones(3, jnp.bfloat16)}
+    tx = _ms(
+        optax.chain(optax_ext.zero_nans(), optax_ext.inject_hyperparams(optax.adam)(1e-2)),
+        k=2,
+    )
+    grads = [{"w": jnp.array([0.1, nan, 0.3], jnp.bfloat16)}, {"w": jnp.full(3, 0.1, jnp.bfloat16)}]
+    outs, state = _run(tx, grads, params)
+    assert outs[1]["w"].dtype == jnp.bfloat16
+    assert bool(jnp.isfinite(outs[1]["w"].astype(jnp.float32)).all())
+    found = state.inner_opt_state[0].found_nan["w"]
+    assert found.dtype == jnp.bool_ and bool(found)
+
+
+def test_flax_train_state():
+    train_state = pytest.importorskip("flax.training.train_state")
+    tx = _ms(optax.chain(optax_ext.zero_nans(), optax.sgd(1.0)))
+    state = train_state.TrainState.create(apply_fn=None, params=P, tx=tx.gradient_transformation())
+    step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+    for g in G[:2]:
+        state = step(state, g)
+    np.testing.assert_array_equal(state.params["a"], [-2.0, 0.0])
+    np.testing.assert_array_equal(state.params["b"], [-4.0])
+
+
+def test_equinox_filter_jit_and_apply_updates():
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    tx = _ms(
+        optax.chain(
+            optax_ext.zero_nans(),
+            optax_ext.inject_hyperparams(optax.adamw)(1e-1, mask=jax.tree.map(lambda _: True, model)),
+        ),
+        k=2,
+    )
+    state = tx.init(model)
+
+    @eqx.filter_jit
+    def step(model, state, x, y):
+        loss, grads = eqx.filter_value_and_grad(
+            lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2)
+        )(model)
+        updates, state = tx.update(grads, state, model)
+        return eqx.apply_updates(model, updates), state, loss
+
+    x = jax.random.normal(jax.random.key(1), (16, 2))
+    y = x @ jnp.array([[1.0], [-2.0]]) + 0.5
+    losses = []
+    for _ in range(40):
+        model, state, loss = step(model, state, x, y)
+        losses.append(float(loss))
+    assert losses[-1] < 0.1 * losses[0]
