@@ -82,7 +82,11 @@ def _is_structured_pytree(value: Any) -> bool:
 def _classify(name: str, value: Any, param: inspect.Parameter, static: set[str]) -> str:
     if name in static or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
         return _STATIC
-    if value is None or isinstance(value, (bool, np.bool_, str)) or _is_dtype_like(value):
+    if (
+        value is None
+        or isinstance(value, (bool, np.bool_, str))
+        or _is_dtype_like(value)
+    ):
         return _STATIC
     if isinstance(value, optax.schedules.StatefulSchedule):
         return _STATEFUL
@@ -96,8 +100,10 @@ def _classify(name: str, value: Any, param: inspect.Parameter, static: set[str])
         if _is_structured_pytree(value):
             return _STATIC
         return _SCHEDULE
-    if isinstance(value, int) and isinstance(param.default, int) and not isinstance(
-        param.default, bool
+    if (
+        isinstance(value, int)
+        and isinstance(param.default, int)
+        and not isinstance(param.default, bool)
     ):
         return _STATIC
     if isinstance(value, (numbers.Number, np.ndarray, np.generic, jax.Array)):
@@ -105,27 +111,20 @@ def _classify(name: str, value: Any, param: inspect.Parameter, static: set[str])
     return _STATIC
 
 
-def _as_hyperparam(value: Any, dtype: Any) -> jax.Array:
+def _as_hyperparam(value: Any, dtype: Any, weak: bool) -> jax.Array:
     """A numeric hyperparameter as it is stored and handed to the factory.
 
-    Python numbers and schedule outputs become weakly typed arrays, so they
-    promote exactly as a Python float passed to the bare factory would; arrays
-    the user typed explicitly keep their dtype. `dtype`, if given, is applied
-    to floating values as optax does.
+    `weak` is decided once per name: true for hyperparameters given as Python
+    numbers or schedules. Those are made weakly typed on every step, so they
+    promote exactly as the Python float given to the bare factory would, even
+    after a checkpoint round trip has made them strong. Arrays the user typed
+    explicitly keep their dtype. `dtype`, if given, is applied to floating
+    values, as optax does.
     """
     array = jnp.asarray(value)
-    if not jnp.issubdtype(array.dtype, jnp.floating):
-        return array if isinstance(value, jax.Array) else as_weak(array)
-    if dtype is not None:
+    if dtype is not None and jnp.issubdtype(array.dtype, jnp.floating):
         return array.astype(dtype)
-    return array if isinstance(value, (jax.Array, np.ndarray)) else as_weak(array)
-
-
-def _schedule_value(value: Any, dtype: Any) -> jax.Array:
-    array = jnp.asarray(value)
-    if jnp.issubdtype(array.dtype, jnp.floating):
-        return array.astype(dtype) if dtype is not None else as_weak(array)
-    return array
+    return as_weak(array) if weak else array
 
 
 def inject_hyperparams(
@@ -207,7 +206,9 @@ def inject_hyperparams(
         )
 
     @functools.wraps(inner_factory)
-    def wrapped_factory(*args: Any, **kwargs: Any) -> optax.GradientTransformationExtraArgs:
+    def wrapped_factory(
+        *args: Any, **kwargs: Any
+    ) -> optax.GradientTransformationExtraArgs:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         kinds = {
@@ -216,27 +217,37 @@ def inject_hyperparams(
         }
         passed = {n: v for n, v in bound.arguments.items() if kinds[n] == _STATIC}
         numeric = {n: v for n, v in bound.arguments.items() if kinds[n] == _NUMERIC}
+        weak = {
+            n for n, v in numeric.items() if not isinstance(v, (jax.Array, np.ndarray))
+        }
         schedules = {
             n: v if kinds[n] == _STATEFUL else optax.schedules.WrappedSchedule(v)
             for n, v in bound.arguments.items()
             if kinds[n] in (_SCHEDULE, _STATEFUL)
         }
 
-        def build(hyperparams: dict[str, jax.Array]) -> optax.GradientTransformationExtraArgs:
+        def build(
+            hyperparams: dict[str, Any],
+        ) -> optax.GradientTransformationExtraArgs:
             call = inspect.BoundArguments(signature, bound.arguments.copy())
             call.arguments.update(hyperparams)
             call.arguments.update(passed)
-            return optax.with_extra_args_support(inner_factory(*call.args, **call.kwargs))
+            return optax.with_extra_args_support(
+                inner_factory(*call.args, **call.kwargs)
+            )
 
         def init_fn(params):
             params = arrays_only(params)
-            hyperparams = {
-                n: _as_hyperparam(v, hyperparam_dtype) for n, v in numeric.items()
+            hyperparams: dict[str, Any] = {
+                n: _as_hyperparam(v, hyperparam_dtype, weak=n in weak)
+                for n, v in numeric.items()
             }
             schedule_states = {n: s.init() for n, s in schedules.items()}
             hyperparams.update(
                 {
-                    n: _schedule_value(s(schedule_states[n]), hyperparam_dtype)
+                    n: _as_hyperparam(
+                        s(schedule_states[n]), hyperparam_dtype, weak=True
+                    )
                     for n, s in schedules.items()
                 }
             )
@@ -250,15 +261,17 @@ def inject_hyperparams(
         def update_fn(updates, state, params=None, **extra_args):
             if params is not None:
                 params = arrays_only(params)
-            hyperparams = {
-                n: _as_hyperparam(v, hyperparam_dtype)
+            hyperparams: dict[str, Any] = {
+                n: _as_hyperparam(v, hyperparam_dtype, weak=n in weak)
                 for n, v in state.hyperparams.items()
                 if n not in schedules
             }
             hyperparams.update(
                 {
-                    n: _schedule_value(
-                        s(state.hyperparams_states[n], **extra_args), hyperparam_dtype
+                    n: _as_hyperparam(
+                        s(state.hyperparams_states[n], **extra_args),
+                        hyperparam_dtype,
+                        weak=True,
                     )
                     for n, s in schedules.items()
                 }

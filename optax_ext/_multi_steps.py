@@ -151,7 +151,10 @@ class MultiSteps:
         should_skip_update_fn: Callable[..., tuple[jax.Array, PyTree]] | None = None,
         accumulator_dtype: Any = jnp.float32,
     ):
-        if not (callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))):
+        if not (
+            callable(getattr(opt, "init", None))
+            and callable(getattr(opt, "update", None))
+        ):
             raise TypeError(
                 "opt must be an optax.GradientTransformation (with `init` and "
                 f"`update`), got {opt!r} of type {type(opt).__name__}."
@@ -286,7 +289,7 @@ class MultiSteps:
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         """This optimizer as a plain `optax.GradientTransformationExtraArgs`."""
-        return optax.GradientTransformationExtraArgs(self.init, self.update)
+        return optax.GradientTransformationExtraArgs(self.init, self.update)  # pyright: ignore[reportArgumentType]
 
 
 def _conform_state(new: PyTree, old: PyTree) -> PyTree:
@@ -302,7 +305,10 @@ def _conform_state(new: PyTree, old: PyTree) -> PyTree:
         )
     leaves = []
     for path_leaf, n, o in zip(
-        jax.tree_util.tree_flatten_with_path(old)[0], new_leaves, old_leaves, strict=True
+        jax.tree_util.tree_flatten_with_path(old)[0],
+        new_leaves,
+        old_leaves,
+        strict=True,
     ):
         if jnp.shape(n) != jnp.shape(o):
             raise ValueError(

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_exact_zeros
 
 import optax_ext
-from _helpers import assert_exact_zeros
 
 nan = float("nan")
 G = [
@@ -50,14 +50,18 @@ def test_demo_composition_equals_adamw_on_mean():
     tx = _ms(
         optax.chain(
             optax_ext.zero_nans(),
-            optax_ext.inject_hyperparams(optax.adamw)(sched, weight_decay=0.1, mask=mask),
+            optax_ext.inject_hyperparams(optax.adamw)(
+                sched, weight_decay=0.1, mask=mask
+            ),
         )
     )
     outs, _ = _run(tx)
     ref = optax.adamw(sched, weight_decay=0.1, mask=mask)
     rs = ref.init(P)
     for i in (1, 3):
-        mean = jax.tree.map(lambda x, y: jnp.nan_to_num((x + y) / 2, nan=0.0), G[i - 1], G[i])
+        mean = jax.tree.map(
+            lambda x, y: jnp.nan_to_num((x + y) / 2, nan=0.0), G[i - 1], G[i]
+        )
         want, rs = ref.update(mean, rs, P)
         _close(outs[i], want)
         assert_exact_zeros(outs[i - 1])
@@ -128,10 +132,15 @@ def test_multi_steps_nested_in_multi_steps_and_in_inject():
 def test_inject_inside_zero_nans_chain_inside_multi_steps_bf16():
     params = {"w": jnp.ones(3, jnp.bfloat16)}
     tx = _ms(
-        optax.chain(optax_ext.zero_nans(), optax_ext.inject_hyperparams(optax.adam)(1e-2)),
+        optax.chain(
+            optax_ext.zero_nans(), optax_ext.inject_hyperparams(optax.adam)(1e-2)
+        ),
         k=2,
     )
-    grads = [{"w": jnp.array([0.1, nan, 0.3], jnp.bfloat16)}, {"w": jnp.full(3, 0.1, jnp.bfloat16)}]
+    grads = [
+        {"w": jnp.array([0.1, nan, 0.3], jnp.bfloat16)},
+        {"w": jnp.full(3, 0.1, jnp.bfloat16)},
+    ]
     outs, state = _run(tx, grads, params)
     assert outs[1]["w"].dtype == jnp.bfloat16
     assert bool(jnp.isfinite(outs[1]["w"].astype(jnp.float32)).all())
@@ -142,7 +151,9 @@ def test_inject_inside_zero_nans_chain_inside_multi_steps_bf16():
 def test_flax_train_state():
     train_state = pytest.importorskip("flax.training.train_state")
     tx = _ms(optax.chain(optax_ext.zero_nans(), optax.sgd(1.0)))
-    state = train_state.TrainState.create(apply_fn=None, params=P, tx=tx.gradient_transformation())
+    state = train_state.TrainState.create(
+        apply_fn=None, params=P, tx=tx.gradient_transformation()
+    )
     step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
     for g in G[:2]:
         state = step(state, g)
@@ -155,7 +166,9 @@ def test_equinox_filter_jit_and_apply_updates():
     tx = _ms(
         optax.chain(
             optax_ext.zero_nans(),
-            optax_ext.inject_hyperparams(optax.adamw)(1e-1, mask=jax.tree.map(lambda _: True, model)),
+            optax_ext.inject_hyperparams(optax.adamw)(
+                1e-1, mask=jax.tree.map(lambda _: True, model)
+            ),
         ),
         k=2,
     )

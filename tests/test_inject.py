@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import avals, to_np
 
 import optax_ext
-from _helpers import avals, to_np
 
 
 class Net(eqx.Module):
@@ -38,7 +38,7 @@ def _bool_net():
 
 MASKS = {
     "eqx-model": _bool_net,
-    "function": lambda: (lambda params: jax.tree.map(lambda p: p.ndim == 2, params)),
+    "function": lambda: lambda params: jax.tree.map(lambda p: p.ndim == 2, params),
     "plain-pytree": lambda: jax.tree.map(lambda p: p.ndim == 2, _net()),
 }
 
@@ -62,7 +62,9 @@ def test_masks_need_no_static_args(mask, jit):
             np.testing.assert_allclose(a, b, rtol=1e-5)  # f32 rounding of 1 - b2
         net = eqx.apply_updates(net, u)
     # As in optax: the value used by the last update (step count 2).
-    np.testing.assert_allclose(state.hyperparams["learning_rate"], SCHEDULE(2), rtol=1e-6)
+    np.testing.assert_allclose(
+        state.hyperparams["learning_rate"], SCHEDULE(2), rtol=1e-6
+    )
 
 
 def test_upstream_calls_an_equinox_mask_as_a_schedule():
@@ -221,3 +223,20 @@ def test_classification_rule():
     # An int where the default is a float (or absent) is injected.
     opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=1)
     assert "learning_rate" in opt.init(jnp.zeros(2)).hyperparams
+
+
+def test_checkpoint_round_trip_keeps_the_arithmetic():
+    """A restored state holds strong float32 hyperparams (weak types do not
+    survive serialisation); the updates must still be those of the bare alias."""
+    net = _net(jnp.bfloat16)
+    opt = optax_ext.inject_hyperparams(optax.adamw)(SCHEDULE, b2=0.999)
+    state = opt.init(net)
+    restored = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state)
+    assert not restored.hyperparams["b2"].weak_type
+    u, new_state = opt.update(_grads(net), restored, net)
+    bare = optax.adamw(SCHEDULE, b2=0.999)
+    want, _ = bare.update(_grads(net), bare.init(net), net)
+    for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(to_np(a), to_np(b))
+    assert new_state.hyperparams["b2"].weak_type

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_exact_zeros, avals, to_np
 from hypothesis import given, settings
 
 import optax_ext
-from _helpers import assert_exact_zeros, avals, to_np
 
 nan, inf = float("nan"), float("inf")
 
@@ -189,7 +189,11 @@ def _always_inf():
     ]
     # XLA rewrites optax's `emit * inf` into a select for some dtypes; for
     # bfloat16 it stays a product and gives NaN.
-    + [pytest.param(optax.MultiSteps, True, jnp.bfloat16, marks=pytest.mark.xfail(strict=True))],
+    + [
+        pytest.param(
+            optax.MultiSteps, True, jnp.bfloat16, marks=pytest.mark.xfail(strict=True)
+        )
+    ],
 )
 def test_non_emitting_steps_are_exact_zeros(impl, jit, dtype):
     opt = impl(_always_inf(), every_k_schedule=3)
@@ -275,7 +279,9 @@ def test_emitted_updates_match_reference(
 
     else:
         ks, ks_py = k_table[0], lambda _: k_table[0]
-    grads = list(np.random.default_rng(seed).normal(size=(n_steps, 3)).astype(np.float32))
+    grads = list(
+        np.random.default_rng(seed).normal(size=(n_steps, 3)).astype(np.float32)
+    )
 
     def make():
         return optax.adam(0.1)
@@ -297,7 +303,13 @@ def test_has_updated_and_counters():
     seen = []
     for _ in range(7):
         _, state = opt.update(jnp.ones(2), state, params)
-        seen.append((bool(opt.has_updated(state)), int(state.mini_step), int(state.gradient_step)))
+        seen.append(
+            (
+                bool(opt.has_updated(state)),
+                int(state.mini_step),
+                int(state.gradient_step),
+            )
+        )
     assert seen == [
         (False, 1, 0), (False, 2, 0), (True, 0, 1),
         (False, 1, 1), (False, 2, 1), (True, 0, 2), (False, 1, 2),
@@ -352,7 +364,9 @@ def test_extra_args_reach_the_inner_optimizer():
     state = opt.init(jnp.zeros(2))
     u, state = opt.update(jnp.array([1.0, 2.0]), state, value=jnp.float32(5.0))
     assert_exact_zeros(u)
-    u, state = jax.jit(opt.update)(jnp.array([3.0, 4.0]), state, value=jnp.float32(10.0))
+    u, state = jax.jit(opt.update)(
+        jnp.array([3.0, 4.0]), state, value=jnp.float32(10.0)
+    )
     np.testing.assert_allclose(to_np(u), [20.0, 30.0])
 
 
@@ -405,13 +419,17 @@ def test_whole_equinox_model_as_params(impl):
     update = eqx.filter_jit(opt.update)
     for i in range(4):
         grads = eqx.filter_grad(_loss)(model, xs[i])
-        assert any(g is None for g in jax.tree.leaves(grads, is_leaf=lambda x: x is None))
+        assert any(
+            g is None for g in jax.tree.leaves(grads, is_leaf=lambda x: x is None)
+        )
         updates, state = update(grads, state, model)
         if i % 2 == 1:
             prev = eqx.filter_grad(_loss)(model, xs[i - 1])
             mean = jax.tree.map(lambda a, b: (a + b) / 2, prev, grads)
             want, ref_state = ref.update(mean, ref_state, arrays)
-            for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(want), strict=True):
+            for a, b in zip(
+                jax.tree.leaves(updates), jax.tree.leaves(want), strict=True
+            ):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
         else:
             assert_exact_zeros(updates)
@@ -440,7 +458,9 @@ def test_train_step_compiles_once():
         model, state = step(model, state, xi)
     assert len(traces) == 1
     assert _loss(model, x) < before
-    assert all(jnp.isfinite(p).all() for p in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    assert all(
+        jnp.isfinite(p).all() for p in jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    )
 
 
 # --- errors ------------------------------------------------------------------

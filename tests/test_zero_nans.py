@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import avals, to_np
 from hypothesis import given, settings
 
 import optax_ext
-from _helpers import avals, to_np
 
 nan, inf = float("nan"), float("inf")
 FLOATS = ["float16", "bfloat16", "float32", "complex64"]
@@ -43,7 +43,9 @@ def test_matches_hand_reference_and_keeps_dtype(dtype, shape, seed, jit):
     update = jax.jit(tx.update) if jit else tx.update
     out, state = update(updates, tx.init(updates))
     assert avals(out) == avals(updates)
-    want, want_nan = _reference(to_np(leaf) if dtype != "complex64" else np.asarray(leaf))
+    want, want_nan = _reference(
+        to_np(leaf) if dtype != "complex64" else np.asarray(leaf)
+    )
     got = to_np(out["a"]) if dtype != "complex64" else np.asarray(out["a"])
     np.testing.assert_array_equal(got, want)
     assert bool(state.found_nan["a"]) == want_nan
@@ -80,7 +82,11 @@ def test_state_is_bool_even_if_a_wrapper_promoted_it():
 def test_none_masked_node_empty_and_integer_leaves():
     tx = optax_ext.zero_nans()
     params = {"a": jnp.zeros(2), "i": jnp.zeros(2, jnp.int32), "m": optax.MaskedNode()}
-    updates = {"a": jnp.array([nan, 1.0]), "i": jnp.array([3, 4], jnp.int32), "m": optax.MaskedNode()}
+    updates = {
+        "a": jnp.array([nan, 1.0]),
+        "i": jnp.array([3, 4], jnp.int32),
+        "m": optax.MaskedNode(),
+    }
     out, state = tx.update(updates, tx.init(params))
     np.testing.assert_array_equal(out["a"], [0.0, 1.0])
     np.testing.assert_array_equal(out["i"], [3, 4])
