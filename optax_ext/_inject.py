@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._static import ConfigKey, Method, config_key
 from ._tree import arrays_only, as_weak
 
 _STATIC, _NUMERIC, _SCHEDULE, _STATEFUL = "static", "numeric", "schedule", "stateful"
@@ -211,87 +212,117 @@ def inject_hyperparams(
     ) -> optax.GradientTransformationExtraArgs:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        kinds = {
-            name: _classify(name, value, signature.parameters[name], static)
-            for name, value in bound.arguments.items()
-        }
-        passed = {n: v for n, v in bound.arguments.items() if kinds[n] == _STATIC}
-        numeric = {n: v for n, v in bound.arguments.items() if kinds[n] == _NUMERIC}
-        weak = {
-            n for n, v in numeric.items() if not isinstance(v, (jax.Array, np.ndarray))
-        }
-        schedules = {
-            n: v if kinds[n] == _STATEFUL else optax.schedules.WrappedSchedule(v)
-            for n, v in bound.arguments.items()
-            if kinds[n] in (_SCHEDULE, _STATEFUL)
-        }
-
-        def build(
-            hyperparams: dict[str, Any],
-        ) -> optax.GradientTransformationExtraArgs:
-            call = inspect.BoundArguments(signature, bound.arguments.copy())
-            call.arguments.update(hyperparams)
-            call.arguments.update(passed)
-            return optax.with_extra_args_support(
-                inner_factory(*call.args, **call.kwargs)
-            )
-
-        def init_fn(params):
-            params = arrays_only(params)
-            hyperparams: dict[str, Any] = {
-                n: _as_hyperparam(v, hyperparam_dtype, weak=n in weak)
-                for n, v in numeric.items()
-            }
-            schedule_states = {n: s.init() for n, s in schedules.items()}
-            hyperparams.update(
-                {
-                    n: _as_hyperparam(
-                        s(schedule_states[n]), hyperparam_dtype, weak=True
-                    )
-                    for n, s in schedules.items()
-                }
-            )
-            return optax.InjectStatefulHyperparamsState(
-                count=jnp.zeros((), jnp.int32),
-                hyperparams=hyperparams,
-                hyperparams_states=schedule_states,
-                inner_state=build(hyperparams).init(params),
-            )
-
-        def update_fn(updates, state, params=None, **extra_args):
-            if params is not None:
-                params = arrays_only(params)
-            hyperparams: dict[str, Any] = {
-                n: _as_hyperparam(v, hyperparam_dtype, weak=n in weak)
-                for n, v in state.hyperparams.items()
-                if n not in schedules
-            }
-            hyperparams.update(
-                {
-                    n: _as_hyperparam(
-                        s(state.hyperparams_states[n], **extra_args),
-                        hyperparam_dtype,
-                        weak=True,
-                    )
-                    for n, s in schedules.items()
-                }
-            )
-            schedule_states = {
-                n: s.update(state.hyperparams_states[n], **extra_args)
-                for n, s in schedules.items()
-            }
-            updates, inner_state = build(hyperparams).update(
-                updates, state.inner_state, params, **extra_args
-            )
-            count = jnp.asarray(state.count)
-            count = jnp.where(count < jnp.iinfo(count.dtype).max, count + 1, count)
-            return updates, optax.InjectStatefulHyperparamsState(
-                count=count.astype(jnp.int32),
-                hyperparams=hyperparams,
-                hyperparams_states=schedule_states,
-                inner_state=inner_state,
-            )
-
-        return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+        injection = _Injection(
+            inner_factory, signature, bound.arguments, static, hyperparam_dtype
+        )
+        return optax.GradientTransformationExtraArgs(
+            Method(injection, "init"), Method(injection, "update")
+        )
 
     return wrapped_factory
+
+
+class _Injection:
+    """One call of a wrapped factory: its arguments, sorted by kind, and the
+    `init` and `update` functions built from them. Two injections compare
+    equal when built from the same factory and equal arguments."""
+
+    def __init__(
+        self,
+        factory: Callable[..., optax.GradientTransformation],
+        signature: inspect.Signature,
+        arguments: dict[str, Any],
+        static: set[str],
+        dtype: Any,
+    ):
+        self.factory, self.signature, self.dtype = factory, signature, dtype
+        self.arguments = dict(arguments)
+        kinds = {
+            n: _classify(n, v, signature.parameters[n], static)
+            for n, v in arguments.items()
+        }
+        self.passed = {n: v for n, v in arguments.items() if kinds[n] == _STATIC}
+        self.numeric = {n: v for n, v in arguments.items() if kinds[n] == _NUMERIC}
+        # Given as Python numbers: made weak on every step (see _as_hyperparam).
+        self.weak = {
+            n
+            for n, v in self.numeric.items()
+            if not isinstance(v, (jax.Array, np.ndarray))
+        }
+        self.schedules = {
+            n: v if kinds[n] == _STATEFUL else optax.schedules.WrappedSchedule(v)
+            for n, v in arguments.items()
+            if kinds[n] in (_SCHEDULE, _STATEFUL)
+        }
+        self._key = (
+            config_key(factory, dtype, tuple(sorted(static))),
+            tuple((n, ConfigKey(v)) for n, v in arguments.items()),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Injection) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def _build(
+        self, hyperparams: dict[str, Any]
+    ) -> optax.GradientTransformationExtraArgs:
+        call = inspect.BoundArguments(self.signature, self.arguments.copy())  # type: ignore[arg-type]
+        call.arguments.update(hyperparams)
+        call.arguments.update(self.passed)
+        return optax.with_extra_args_support(self.factory(*call.args, **call.kwargs))
+
+    def _hyperparams(
+        self,
+        numeric: dict[str, Any],
+        schedule_states: dict[str, Any],
+        **extra_args: Any,
+    ) -> dict[str, Any]:
+        hyperparams = {
+            n: _as_hyperparam(numeric[n], self.dtype, weak=n in self.weak)
+            for n in self.numeric
+        }
+        for n, schedule in self.schedules.items():
+            value = schedule(schedule_states[n], **extra_args)
+            hyperparams[n] = _as_hyperparam(value, self.dtype, weak=True)
+        return hyperparams
+
+    def init(self, params: Any) -> optax.InjectStatefulHyperparamsState:
+        params = arrays_only(params)
+        schedule_states = {n: s.init() for n, s in self.schedules.items()}
+        hyperparams = self._hyperparams(self.numeric, schedule_states)
+        return optax.InjectStatefulHyperparamsState(
+            count=jnp.zeros((), jnp.int32),
+            hyperparams=hyperparams,
+            hyperparams_states=schedule_states,
+            inner_state=self._build(hyperparams).init(params),
+        )
+
+    def update(
+        self,
+        updates: Any,
+        state: optax.InjectStatefulHyperparamsState,
+        params: Any = None,
+        **extra_args: Any,
+    ) -> tuple[Any, optax.InjectStatefulHyperparamsState]:
+        if params is not None:
+            params = arrays_only(params)
+        hyperparams = self._hyperparams(
+            state.hyperparams, state.hyperparams_states, **extra_args
+        )
+        schedule_states = {
+            n: s.update(state.hyperparams_states[n], **extra_args)
+            for n, s in self.schedules.items()
+        }
+        updates, inner_state = self._build(hyperparams).update(
+            updates, state.inner_state, params, **extra_args
+        )
+        count = jnp.asarray(state.count)
+        count = jnp.where(count < jnp.iinfo(count.dtype).max, count + 1, count)
+        return updates, optax.InjectStatefulHyperparamsState(
+            count=count.astype(jnp.int32),
+            hyperparams=hyperparams,
+            hyperparams_states=schedule_states,
+            inner_state=inner_state,
+        )

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from ._static import Method, config_key
 from ._tree import arrays_only, cast_like, check_same_structure
 
 PyTree = Any
@@ -134,6 +135,11 @@ class MultiSteps:
     - `accumulator_dtype`: the least dtype to accumulate in (see Numerics);
       `None` accumulates in each gradient's own dtype.
 
+    Two `MultiSteps` built from equal arguments (the same inner optimizer
+    object, or inner optimizers of this package built from equal arguments)
+    compare and hash equal, so a jitted step that takes the optimizer as a
+    static argument compiles once for both.
+
     **Example:**
 
     ```python
@@ -172,6 +178,19 @@ class MultiSteps:
         self._accumulator_dtype = (
             None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
         )
+        self._key = config_key(
+            opt,
+            every_k_schedule,
+            self._use_grad_mean,
+            should_skip_update_fn,
+            self._accumulator_dtype,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MultiSteps) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
@@ -289,7 +308,9 @@ class MultiSteps:
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         """This optimizer as a plain `optax.GradientTransformationExtraArgs`."""
-        return optax.GradientTransformationExtraArgs(self.init, self.update)  # pyright: ignore[reportArgumentType]
+        return optax.GradientTransformationExtraArgs(
+            Method(self, "init"), Method(self, "update")
+        )
 
 
 def _conform_state(new: PyTree, old: PyTree) -> PyTree:

@@ -25,6 +25,18 @@ def _zero_nan(update: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(update), 0, update)
 
 
+def _init(params):
+    return optax.ZeroNansState(
+        found_nan=jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), arrays_only(params))
+    )
+
+
+def _update(updates, state, params=None):
+    del state, params
+    found_nan = jax.tree.map(_found_nan, updates)
+    return jax.tree.map(_zero_nan, updates), optax.ZeroNansState(found_nan)
+
+
 def zero_nans() -> optax.GradientTransformation:
     """Replaces every NaN in the updates with zero.
 
@@ -45,6 +57,9 @@ def zero_nans() -> optax.GradientTransformation:
       params (an Equinox model's activation functions) get `None` in the state,
       matching the `None` that `eqx.filter_grad` gives for them.
 
+    Two `zero_nans()` compare equal, so a jitted step that takes the
+    optimizer as a static argument does not recompile for a new one.
+
     It is a pure function of the updates, safe under `jax.jit`, `jax.vmap`,
     `lax.scan` and `jax.grad` (the gradient of a zeroed entry is zero).
 
@@ -59,16 +74,4 @@ def zero_nans() -> optax.GradientTransformation:
     ```
     """
 
-    def init_fn(params):
-        return optax.ZeroNansState(
-            found_nan=jax.tree.map(
-                lambda _: jnp.zeros((), jnp.bool_), arrays_only(params)
-            )
-        )
-
-    def update_fn(updates, state, params=None):
-        del state, params
-        found_nan = jax.tree.map(_found_nan, updates)
-        return jax.tree.map(_zero_nan, updates), optax.ZeroNansState(found_nan)
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(_init, _update)

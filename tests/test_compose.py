@@ -189,3 +189,33 @@ def test_equinox_filter_jit_and_apply_updates():
         model, state, loss = step(model, state, x, y)
         losses.append(float(loss))
     assert losses[-1] < 0.1 * losses[0]
+
+
+def test_equal_configurations_do_not_recompile():
+    """upstream-optax.md item 10: two optimizers built alike are equal and hash
+    alike, so a step taking the optimizer as a static argument compiles once."""
+
+    def make(lr=1e-2, k=2):
+        # (optax.chain builds a new closure each call, so a chain is only
+        # equal to itself: compose with chain once, outside the loop.)
+        inner = optax_ext.inject_hyperparams(optax.adam)(lr)
+        return optax_ext.MultiSteps(inner, every_k_schedule=k)
+
+    traces = []
+
+    @jax.jit(static_argnums=0)
+    def step(opt, state, g):
+        traces.append(None)
+        return opt.update(g, state, P)
+
+    state = make().init(P)
+    for _ in range(3):
+        opt = make()
+        _, state = step(opt, state, G[0])
+        _, state = step(opt.gradient_transformation(), state, G[0])
+    assert len(traces) == 2  # one for MultiSteps, one for its GradientTransformation
+    assert make() == make() and hash(make()) == hash(make())
+    assert make(lr=1e-3) != make() and make(k=3) != make()
+    assert optax_ext.zero_nans() == optax_ext.zero_nans()
+    # Upstream: every new optimizer is a new static argument.
+    assert optax.adam(1e-2) != optax.adam(1e-2)

@@ -1,0 +1,61 @@
+"""Equality and hashing by configuration, so that a jitted step taking an
+optimizer as a static argument does not recompile for an equal optimizer.
+
+optax transformations are closures: two `optax.adam(1e-3)` are unequal and
+hash differently (optax issues #197, #353, #577; equinox #940). The
+transformations of this package compare equal when they were built from
+equal configurations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+class ConfigKey:
+    """Wraps one configuration value: equal by value when the value is
+    hashable (numbers, strings, functions, tuples of those), by identity
+    otherwise (arrays, dicts, Equinox modules holding arrays)."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: Any):
+        self.value = value
+        try:
+            self._hash: int | None = hash((type(value), value))
+        except TypeError:
+            self._hash = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ConfigKey):
+            return NotImplemented
+        if self.value is other.value:
+            return True
+        if self._hash is None or other._hash is None or self._hash != other._hash:
+            return False
+        if type(self.value) is not type(other.value):
+            return False
+        try:
+            return bool(self.value == other.value)
+        except Exception:  # an `==` that does not give a bool
+            return False
+
+    def __hash__(self) -> int:
+        return self._hash if self._hash is not None else id(self.value)
+
+
+def config_key(*values: Any) -> tuple[ConfigKey, ...]:
+    return tuple(ConfigKey(v) for v in values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """`owner.name` as a callable that compares equal when the owners do
+    (Python's bound methods compare their owners by identity)."""
+
+    owner: Any
+    name: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.owner, self.name)(*args, **kwargs)
