@@ -275,18 +275,24 @@ class MultiSteps:
 
         out_shapes, _ = jax.eval_shape(inner_update, acc_grads, state.inner_opt_state)
 
+        # Only the inner optimizer sits inside the `cond`. The accumulator is
+        # an operand that neither branch returns, and its reset is a select
+        # fused with the accumulation below: passing the accumulator through
+        # the non-emitting branch would copy it into the conditional's output
+        # buffer on every mini-step (seen in the compiled HLO).
         def emit_branch(acc_grads, inner_state):
             new_updates, new_inner_state = inner_update(acc_grads, inner_state)
-            new_inner_state = _conform_state(new_inner_state, inner_state)
-            return new_updates, new_inner_state, jax.tree.map(jnp.zeros_like, acc_grads)
+            return new_updates, _conform_state(new_inner_state, inner_state)
 
         def accumulate_branch(acc_grads, inner_state):
+            del acc_grads
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
-            return zeros, inner_state, acc_grads
+            return zeros, inner_state
 
-        new_updates, inner_state, acc_grads = lax.cond(
+        new_updates, inner_state = lax.cond(
             emit, emit_branch, accumulate_branch, acc_grads, state.inner_opt_state
         )
+        acc_grads = jax.tree.map(lambda acc: jnp.where(emit, 0, acc), acc_grads)
         new_state = optax.MultiStepsState(
             mini_step=jnp.where(
                 emit, 0, jnp.where(should_skip, mini_step, mini_step + 1)
