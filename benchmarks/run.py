@@ -1,0 +1,240 @@
+"""MultiSteps side by side: optax_ext against optax.MultiSteps and the floor.
+
+Run with `nox -s bench` (or `python benchmarks/run.py`). Everything is
+measured in one process, interleaved round-robin (one call of each candidate
+per round, medians over rounds), so that a noisy shared machine slows all
+candidates alike and the ratios stay meaningful.
+
+Candidates, for each inner optimizer and size:
+
+- floor: the least this API can do on a mini-step: fold the gradients into a
+  running-mean buffer and return a zero updates tree;
+- bare: the inner optimizer's own update;
+- optax / ext, mini: a non-emitting step of optax.MultiSteps / optax_ext;
+- optax / ext, emit: an emitting step (every_k_schedule=1).
+
+Each step is jitted with the gradients and the state donated, as in a train
+step where both are dead after the update. (Donating the state alone makes
+JAX pair the returned zero updates with the first params-sized state buffers
+it finds, here the inner optimizer's moments, so every candidate that carries
+an inner state pays for copying it; see docs/multi_steps.md.)
+
+Also reported: compiled temporary memory (`memory_analysis()`) and the
+compile time of the jitted update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import optax_ext
+
+RESULTS = Path(__file__).parent / "results"
+LEAVES = 8
+NEVER = 1_000_000_000  # every_k_schedule for steps that never emit
+
+INNER: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "adam": lambda: optax.adam(1e-3),
+    "adafactor": lambda: optax.adafactor(1e-3),
+    "lion": lambda: optax.lion(1e-4),
+    "muon": lambda: optax.contrib.muon(1e-3),
+}
+
+
+def make_params(n_params: int) -> dict[str, jax.Array]:
+    """`LEAVES` 2-D float32 leaves (muon needs matrices), n_params in all."""
+    per_leaf = n_params // LEAVES
+    rows = 1 << ((per_leaf.bit_length() - 1) // 2)
+    return {f"w{i}": jnp.zeros((rows, per_leaf // rows)) for i in range(LEAVES)}
+
+
+def floor_transform() -> optax.GradientTransformation:
+    def init(params):
+        return (jnp.zeros((), jnp.int32), jax.tree.map(jnp.zeros_like, params))
+
+    def update(grads, state, params=None):
+        del params
+        n, acc = state
+        acc = jax.tree.map(
+            lambda a, g: a + (g - a) / (n + 1).astype(a.dtype), acc, grads
+        )
+        return jax.tree.map(jnp.zeros_like, grads), (n + 1, acc)
+
+    return optax.GradientTransformation(init, update)
+
+
+def candidates(inner: str) -> dict[str, optax.GradientTransformation]:
+    make = INNER[inner]
+    return {
+        "floor": floor_transform(),
+        "bare": make(),
+        "optax mini": optax.MultiSteps(make(), NEVER).gradient_transformation(),
+        "ext mini": optax_ext.MultiSteps(make(), NEVER).gradient_transformation(),
+        "optax emit": optax.MultiSteps(make(), 1).gradient_transformation(),
+        "ext emit": optax_ext.MultiSteps(make(), 1).gradient_transformation(),
+    }
+
+
+class Runner:
+    """One jitted, donated update and the state it carries between calls."""
+
+    def __init__(self, tx: optax.GradientTransformation, params, grads):
+        self.params, self.grads = params, grads
+        self.step = jax.jit(lambda g, s: tx.update(g, s, params), donate_argnums=(0, 1))
+        self.state = tx.init(params)
+        start = time.perf_counter()
+        self.compiled = self.step.lower(self.fresh_grads(), self.state).compile()
+        self.compile_s = time.perf_counter() - start
+        self.temp_bytes = self.compiled.memory_analysis().temp_size_in_bytes
+        self.times: list[float] = []
+        self.call()  # warm up
+
+    def fresh_grads(self):
+        return jax.block_until_ready(jax.tree.map(jnp.copy, self.grads))
+
+    def call(self) -> float:
+        grads = self.fresh_grads()
+        start = time.perf_counter()
+        updates, self.state = self.compiled(grads, self.state)
+        jax.block_until_ready((updates, self.state))
+        return time.perf_counter() - start
+
+
+def compile_time(tx: optax.GradientTransformation, params, grads) -> float:
+    """Trace, lower and compile a fresh jit of the update (no cache hit)."""
+    state = tx.init(params)
+    fn = jax.jit(lambda g, s: tx.update(g, s, params), donate_argnums=(0, 1))
+    start = time.perf_counter()
+    fn.lower(grads, state).compile()
+    return time.perf_counter() - start
+
+
+def bench(inner: str, n_params: int, rounds: int) -> dict[str, dict[str, float]]:
+    params = make_params(n_params)
+    key = jax.random.key(0)
+    grads = {
+        k: jax.random.normal(jax.random.fold_in(key, i), p.shape)
+        for i, (k, p) in enumerate(params.items())
+    }
+    runners = {
+        name: Runner(tx, params, grads) for name, tx in candidates(inner).items()
+    }
+    for _ in range(rounds):
+        for runner in runners.values():
+            runner.times.append(runner.call())
+    compile_times: dict[str, list[float]] = {"optax mini": [], "ext mini": []}
+    for _ in range(3):
+        for name in compile_times:
+            compile_times[name].append(
+                compile_time(candidates(inner)[name], params, grads)
+            )
+    out = {}
+    for name, runner in runners.items():
+        out[name] = {
+            "ms": 1e3 * statistics.median(runner.times),
+            "temp_mb": runner.temp_bytes / 2**20,
+            "compile_s": statistics.median(compile_times.get(name, [runner.compile_s])),
+        }
+    return out
+
+
+def machine() -> str:
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"{jax.devices()[0].platform.upper()}, jax {jax.__version__}, "
+        f"optax {optax.__version__}, Python {platform.python_version()}"
+    )
+
+
+def write_table(results, path: Path) -> str:
+    lines = [
+        f"Machine: {machine()}. Medians of interleaved rounds; donated grads and state.",
+        "",
+        "| inner | params | floor ms | bare ms | optax mini ms | ext mini ms "
+        "| ext mini / floor | optax mini / floor | optax emit ms | ext emit ms "
+        "| ext emit / (bare + floor) | temp MB optax / ext (mini) "
+        "| compile s optax / ext |",
+        "|" + "---|" * 13,
+    ]
+    for (inner, n), r in results.items():
+        ms = {k: v["ms"] for k, v in r.items()}
+        lines.append(
+            f"| {inner} | {n / 1e6:g}M | {ms['floor']:.2f} | {ms['bare']:.2f} "
+            f"| {ms['optax mini']:.2f} | {ms['ext mini']:.2f} "
+            f"| **{ms['ext mini'] / ms['floor']:.2f}** "
+            f"| {ms['optax mini'] / ms['floor']:.2f} "
+            f"| {ms['optax emit']:.2f} | {ms['ext emit']:.2f} "
+            f"| **{ms['ext emit'] / (ms['bare'] + ms['floor']):.2f}** "
+            f"| {r['optax mini']['temp_mb']:.1f} / {r['ext mini']['temp_mb']:.1f} "
+            f"| {r['optax mini']['compile_s']:.2f} / {r['ext mini']['compile_s']:.2f} |"
+        )
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
+
+
+def plot(results, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    inners = sorted({inner for inner, _ in results}, key=list(INNER).index)
+    fig, axes = plt.subplots(
+        1, len(inners), figsize=(4.2 * len(inners), 3.8), squeeze=False
+    )
+    for ax, inner in zip(axes[0], inners, strict=True):
+        sizes = sorted(n for i, n in results if i == inner)
+        for name in candidates(inner):
+            ax.plot(
+                [n / 1e6 for n in sizes],
+                [results[inner, n][name]["ms"] for n in sizes],
+                marker="o",
+                linestyle="--" if name.startswith("optax") else "-",
+                label=name,
+            )
+        ax.set(
+            title=f"inner: {inner}", xlabel="params (millions)", ylabel="ms per step"
+        )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"MultiSteps step time ({machine()})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1e6,4e6,16e6")
+    parser.add_argument("--inner", default=",".join(INNER))
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    results = {}
+    for inner in args.inner.split(","):
+        for n in (int(float(s)) for s in args.sizes.split(",")):
+            results[inner, n] = bench(inner, n, args.rounds)
+            r = results[inner, n]
+            print(
+                f"{inner:10s} {n / 1e6:5g}M  "
+                + "  ".join(f"{k}={v['ms']:.2f}ms" for k, v in r.items()),
+                flush=True,
+            )
+    RESULTS.mkdir(exist_ok=True)
+    print(write_table(results, RESULTS / "multi_steps.md"))
+    plot(results, RESULTS / "multi_steps.png")
+
+
+if __name__ == "__main__":
+    main()
