@@ -158,7 +158,8 @@ def machine() -> str:
 
 def write_table(results, path: Path) -> str:
     lines = [
-        f"Machine: {machine()}. Medians of interleaved rounds; donated grads and state.",
+        f"Machine: {machine()}. Medians of interleaved rounds; "
+        "donated grads and state.",
         "",
         "| inner | params | floor ms | bare ms | optax mini ms | ext mini ms "
         "| ext mini / floor | optax mini / floor | optax emit ms | ext emit ms "

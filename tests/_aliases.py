@@ -25,6 +25,12 @@ LEARNING_RATE = 1e-2
 SHAPES = {"b": (3,), "w": (4, 3)}  # a 2-D leaf for muon and galore
 
 
+def needs_learning_rate(name: str) -> bool:
+    """Whether the alias's `learning_rate` has no default (so `make(name)`
+    gives it 1e-2)."""
+    return _needs_learning_rate(ALIASES[name])
+
+
 def _needs_learning_rate(factory: Callable) -> bool:
     param = inspect.signature(factory).parameters["learning_rate"]
     return param.default is inspect.Parameter.empty
@@ -82,6 +88,40 @@ def make(name: str, learning_rate=None) -> optax.GradientTransformation:
     if _needs_learning_rate(factory):
         return factory(learning_rate=LEARNING_RATE)
     return factory()
+
+
+# --------------------------------------------------------------------------
+# Compilation
+#
+# Nearly all of this suite's time is XLA compiling small programs (one
+# `update` per case). On CPU, the legacy elemental emitters at LLVM -O0
+# compile about 3x faster than the defaults. They change code generation only
+# (no fast-math either way), not what JAX traces: dtypes, weak types, shapes,
+# `lax.cond` and the arithmetic performed are the same. optax_ext and the
+# references are compiled alike. Set COMPILER_OPTIONS = None to test with
+# XLA's defaults.
+
+
+def _fast_compile_options() -> dict | None:
+    options = {
+        "xla_cpu_use_fusion_emitters": False,
+        "xla_backend_optimization_level": 0,
+    }
+    if jax.default_backend() != "cpu":
+        return None
+    try:  # an XLA that does not know these options rejects them
+        jax.jit(lambda x: x + 1, compiler_options=options).lower(1.0).compile()
+    except Exception:  # noqa: BLE001
+        return None
+    return options
+
+
+COMPILER_OPTIONS = _fast_compile_options()
+
+
+def jit(fn: Callable) -> Callable:
+    """`jax.jit(fn)`, compiled with COMPILER_OPTIONS."""
+    return jax.jit(fn, compiler_options=COMPILER_OPTIONS)
 
 
 # --------------------------------------------------------------------------
@@ -168,11 +208,26 @@ def assert_exact_zeros(updates, like, what: str) -> None:
 
 
 # Per-dtype tolerance, relative to the leaf's largest reference magnitude:
-# |got - want| <= TOL * max(|want|) + TOL * |want|.
+# |got - want| <= TOL * max(|want|) + TOL * |want| + FLOOR.
+# float16 and bfloat16 matched bit for bit when written (optax 0.2.8, jax
+# 0.10.2); the bounds leave room for a couple of ulps of rounding elsewhere
+# (the accumulated mean is rounded to the gradient dtype before the optimizer
+# sees it). float32 differs by a few ulps: MultiSteps keeps a running mean,
+# the reference a sum divided by k.
 TOLERANCE = {
     jnp.dtype(jnp.float32): 1e-5,
-    jnp.dtype(jnp.float16): 1e-2,
-    jnp.dtype(jnp.bfloat16): 4e-2,
+    jnp.dtype(jnp.float16): 5e-3,
+    jnp.dtype(jnp.bfloat16): 2e-2,
+}
+# Some aliases (madgrad, schedule_free_*) return updates computed as a
+# difference of two param-sized values (`new_params - params`, params ~ 1):
+# those carry an absolute error of an ulp of 1 whenever the arithmetic is
+# reordered (a traced hyperparameter instead of a Python constant). 8 float32
+# ulps of 1 is still 1e-4 of a 1e-2 update.
+FLOOR = {
+    jnp.dtype(jnp.float32): 8 * float(jnp.finfo(jnp.float32).eps),
+    jnp.dtype(jnp.float16): 0.0,
+    jnp.dtype(jnp.bfloat16): 0.0,
 }
 
 
@@ -185,19 +240,19 @@ def assert_close(got, want, what: str) -> None:
         assert g.dtype == w.dtype, f"{where}: dtype {g.dtype}, want {w.dtype}"
         assert g.shape == w.shape, f"{where}: shape {g.shape}, want {w.shape}"
         gx, wx = f32(g), f32(w)
-        assert np.array_equal(np.isnan(gx), np.isnan(wx)), f"{where}: NaN differ\n{gx}\n{wx}"
-        assert np.array_equal(np.isinf(gx), np.isinf(wx)), f"{where}: inf differ\n{gx}\n{wx}"
         finite = np.isfinite(wx)
+        assert np.array_equal(gx[~finite], wx[~finite], equal_nan=True) and (
+            np.isfinite(gx[finite]).all()
+        ), f"{where}: non-finite entries differ\ngot  {gx}\nwant {wx}"
         if not finite.any():
             continue
-        tol = TOLERANCE[jnp.dtype(w.dtype)]
-        scale = np.abs(wx[finite]).max()
-        err = np.abs(gx - wx)[finite]
-        bound = tol * scale + tol * np.abs(wx[finite])
+        dtype = jnp.dtype(w.dtype)
+        tol = TOLERANCE[dtype]
+        gf, wf = gx[finite], wx[finite]
+        scale = np.abs(wf).max()
+        err = np.abs(gf - wf)
+        bound = tol * scale + tol * np.abs(wf) + FLOOR[dtype]
         assert (err <= bound).all(), (
             f"{where}: max error {err.max():.3g} (scale {scale:.3g}, tol {tol})\n"
             f"got  {gx}\nwant {wx}"
-        )
-        assert np.array_equal(gx[~finite], wx[~finite], equal_nan=True), (
-            f"{where}: non-finite entries differ\ngot  {gx}\nwant {wx}"
         )
