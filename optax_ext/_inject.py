@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from ._static import ConfigKey, Method, config_key
-from ._tree import arrays_only, as_weak
+from ._tree import as_weak, trainable
 
 _STATIC, _NUMERIC, _SCHEDULE, _STATEFUL = "static", "numeric", "schedule", "stateful"
 
@@ -289,7 +289,7 @@ class _Injection:
         return hyperparams
 
     def init(self, params: Any) -> optax.InjectStatefulHyperparamsState:
-        params = arrays_only(params)
+        params = trainable(params)
         schedule_states = {n: s.init() for n, s in self.schedules.items()}
         hyperparams = self._hyperparams(self.numeric, schedule_states)
         return optax.InjectStatefulHyperparamsState(
@@ -307,7 +307,7 @@ class _Injection:
         **extra_args: Any,
     ) -> tuple[Any, optax.InjectStatefulHyperparamsState]:
         if params is not None:
-            params = arrays_only(params)
+            params = trainable(params)
         hyperparams = self._hyperparams(
             state.hyperparams, state.hyperparams_states, **extra_args
         )

@@ -33,7 +33,7 @@ import optax
 from jax import lax
 
 from ._static import Method, config_key
-from ._tree import arrays_only, cast_like, check_same_structure
+from ._tree import cast_like, check_same_structure, trainable
 
 PyTree = Any
 _INT32_MAX = jnp.iinfo(jnp.int32).max
@@ -214,7 +214,7 @@ class MultiSteps:
 
     def init(self, params: PyTree) -> optax.MultiStepsState:
         """Builds the initial `optax.MultiStepsState` for `params`."""
-        params = arrays_only(params)
+        params = trainable(params)
         acc_grads = jax.tree.map(
             lambda p: jnp.zeros(jnp.shape(p), self._acc_dtype(jnp.result_type(p))),
             params,
@@ -247,7 +247,7 @@ class MultiSteps:
             got_name="the updates",
         )
         if params is not None:
-            params = arrays_only(params)
+            params = trainable(params)
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
         k = self._every_k_schedule(gradient_step)

@@ -12,15 +12,17 @@ from jax import lax
 PyTree = Any
 
 
-def arrays_only(tree: PyTree) -> PyTree:
-    """Replaces every leaf that is not an array with `None`.
+def trainable(tree: PyTree) -> PyTree:
+    """Replaces every leaf that is not a floating (or complex) array with `None`.
 
-    An Equinox model holds activation functions and other non-array leaves;
-    `eqx.filter_grad` gives `None` for them, and `eqx.apply_updates` skips
-    them. Optimizer states built from such a model must do the same, or
-    `jnp.zeros_like(jax.nn.relu)` raises (equinox issue #590).
+    These are the leaves `eqx.filter_grad` differentiates; it gives `None` for
+    the others (activation functions, integer buffers, PRNG keys), and
+    `eqx.apply_updates` skips a `None` update. Optimizer states built from a
+    whole Equinox model must hold `None` at the same places, or they do not
+    match the gradients, and `jnp.zeros_like(jax.nn.relu)` raises (equinox
+    issue #590).
     """
-    return jax.tree.map(lambda x: x if eqx.is_array(x) else None, tree)
+    return jax.tree.map(lambda x: x if eqx.is_inexact_array(x) else None, tree)
 
 
 def _is_none(x: Any) -> bool:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._tree import arrays_only
+from ._tree import trainable
 
 
 def _found_nan(update: jax.Array) -> jax.Array:
@@ -27,13 +27,25 @@ def _zero_nan(update: jax.Array) -> jax.Array:
 
 def _init(params):
     return optax.ZeroNansState(
-        found_nan=jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), arrays_only(params))
+        found_nan=jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), trainable(params))
     )
 
 
+def _found_nan_like(update, previous):
+    """One leaf of the new state: it follows the state's structure, fixed at
+    `init`, so that the state keeps its avals whatever the updates hold."""
+    if previous is None:
+        return None  # not a trainable leaf of the params
+    if update is None:
+        return jnp.zeros((), jnp.bool_)  # a trainable leaf with no gradient
+    return _found_nan(update)
+
+
 def _update(updates, state, params=None):
-    del state, params
-    found_nan = jax.tree.map(_found_nan, updates)
+    del params
+    found_nan = jax.tree.map(
+        _found_nan_like, updates, state.found_nan, is_leaf=lambda x: x is None
+    )
     return jax.tree.map(_zero_nan, updates), optax.ZeroNansState(found_nan)
 
 
@@ -53,9 +65,11 @@ def zero_nans() -> optax.GradientTransformation:
       avals never change from step to step (a changing state makes
       `lax.cond`, `lax.scan` and `jax.jit` callers fail or recompile);
     - `None` leaves (Equinox gradients of non-array fields), `optax.MaskedNode`,
-      integer leaves and empty trees are accepted; non-array leaves of the
-      params (an Equinox model's activation functions) get `None` in the state,
-      matching the `None` that `eqx.filter_grad` gives for them.
+      integer leaves and empty trees are accepted. The state's structure is
+      fixed by `init`: params leaves that are not floating arrays (an Equinox
+      model's activation functions, integer buffers, keys) get `None`, as
+      `eqx.filter_grad` gives `None` for them, and a `None` update of a
+      floating leaf records `False`.
 
     Two `zero_nans()` compare equal, so a jitted step that takes the
     optimizer as a static argument does not recompile for a new one.

@@ -219,3 +219,48 @@ def test_equal_configurations_do_not_recompile():
     assert optax_ext.zero_nans() == optax_ext.zero_nans()
     # Upstream: every new optimizer is a new static argument.
     assert optax.adam(1e-2) != optax.adam(1e-2)
+
+
+class _Indexed(eqx.Module):
+    """A model with an integer buffer and a PRNG key: `eqx.filter_grad` gives
+    None for both, so every state must hold None there too."""
+
+    w: jax.Array
+    idx: jax.Array
+    key: jax.Array
+    act: object = jax.nn.relu
+
+    def __call__(self, x):
+        return jnp.sum(self.act(self.w[self.idx] * x))
+
+
+def test_models_with_integer_buffers_and_keys():
+    model = _Indexed(
+        jnp.array([1.0, -2.0, 3.0]), jnp.array([2, 0, 1]), jax.random.key(0)
+    )
+    tx = _ms(
+        optax.chain(
+            optax_ext.zero_nans(),
+            optax_ext.inject_hyperparams(optax.sgd)(1.0),
+        ),
+        k=2,
+    )
+    state = tx.init(model)
+
+    @eqx.filter_jit
+    def step(model, state, x):
+        grads = eqx.filter_grad(lambda m: m(x))(model)
+        assert grads.idx is None and grads.key is None
+        updates, state = tx.update(grads, state, model)
+        return eqx.apply_updates(model, updates), state
+
+    x = jnp.array([1.0, nan, 1.0])
+    model, state = step(model, state, x)
+    model, state = step(model, state, jnp.ones(3))
+    # w[idx] = [3, 1, -2]: relu passes entries 0 and 1, so d/dw = x[1] at w[0],
+    # x[0] at w[2], 0 at w[1]. Window mean: w[0] gets (nan + 1) / 2, zeroed by
+    # zero_nans; w[2] gets (1 + 1) / 2.
+    np.testing.assert_allclose(model.w, [1.0, -2.0, 3.0 - 1.0])
+    np.testing.assert_array_equal(model.idx, [2, 0, 1])
+    found = state.inner_opt_state[0].found_nan
+    assert found.idx is None and found.key is None and bool(found.w)
