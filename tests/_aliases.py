@@ -121,6 +121,8 @@ COMPILER_OPTIONS = _fast_compile_options()
 
 def jit(fn: Callable) -> Callable:
     """`jax.jit(fn)`, compiled with COMPILER_OPTIONS."""
+    if COMPILER_OPTIONS is None:
+        return jax.jit(fn)
     return jax.jit(fn, compiler_options=COMPILER_OPTIONS)
 
 

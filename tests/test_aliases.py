@@ -7,12 +7,13 @@ updates a small params dict (a 2-D and a 1-D leaf) without extra arguments.
 Each test compares optax_ext with an independent reference built from the bare
 alias (a second, fresh instance) and numpy, never with optax_ext's own output:
 
-- MultiSteps emits exactly what the bare optimizer gives on the window's mean
-  (or sum), returns exact zeros on the other mini-steps, keeps every state
-  leaf's shape, dtype and weak type, and leaves the inner state untouched
-  between emissions; also with `zero_nans` in the chain (a NaN entered in one
-  window must not reach the next) and with `skip_not_finite` (a skipped
-  mini-step is as if it never happened).
+- MultiSteps emits what the bare optimizer gives on the window's mean (or
+  sum), to a few ulps (bit for bit in float16 and bfloat16 when written),
+  returns exact zeros on the other mini-steps, keeps every state leaf's shape,
+  dtype and weak type, and leaves the inner state untouched between
+  emissions; also with `zero_nans` in the chain (a NaN entered in one window
+  must not reach the next) and with `skip_not_finite` (a skipped mini-step is
+  as if it never happened).
 - inject_hyperparams jits (`jax.jit(init)`, `jax.jit(update)`) with no
   `static_args`, and its updates equal the bare alias's, dtype included, with
   a constant learning rate and with a schedule.
@@ -99,53 +100,17 @@ def _run_reference(name, kind, params, steps):
 def test_discovery_finds_the_known_aliases():
     # A floor, not an exact list: optax may add aliases. These 44 ran
     # without extra arguments when the suite was written (optax 0.2.8).
-    known = [
-        "adabelief",
-        "adadelta",
-        "adafactor",
-        "adagrad",
-        "adam",
-        "adamax",
-        "adamaxw",
-        "adamw",
-        "adan",
-        "amsgrad",
-        "fromage",
-        "lamb",
-        "lars",
-        "lion",
-        "noisy_sgd",
-        "novograd",
-        "optimistic_adam",
-        "optimistic_adam_v2",
-        "optimistic_gradient_descent",
-        "radam",
-        "rmsprop",
-        "rprop",
-        "scale_by_learning_rate",
-        "scale_by_rprop",
-        "sgd",
-        "sign_sgd",
-        "signum",
-        "sm3",
-        "yogi",
-        "acprop",
-        "ademamix",
-        "adopt",
-        "cocob",
-        "dadapt_adamw",
-        "dog",
-        "dowg",
-        "galore",
-        "madgrad",
-        "muon",
-        "prodigy",
-        "scale_by_madgrad",
-        "schedule_free_adamw",
-        "schedule_free_sgd",
-        "simplified_ademamix",
-    ]
-    missing = [n for n in known if n not in NAMES]
+    known = (  # noqa: SIM905 - a list of 44 names reads better as words
+        "adabelief adadelta adafactor adagrad adam adamax adamaxw adamw adan "
+        "amsgrad fromage lamb lars lion noisy_sgd novograd optimistic_adam "
+        "optimistic_adam_v2 optimistic_gradient_descent radam rmsprop rprop "
+        "scale_by_learning_rate scale_by_rprop sgd sign_sgd signum sm3 yogi "
+        "acprop ademamix adopt cocob dadapt_adamw dog dowg galore madgrad muon "
+        "prodigy scale_by_madgrad schedule_free_adamw schedule_free_sgd "
+        "simplified_ademamix"
+    ).split()
+    installed = [n for n in known if hasattr(optax, n) or hasattr(optax.contrib, n)]
+    missing = [n for n in installed if n not in NAMES]
     assert not missing, missing
     assert sorted(NAMES) == NAMES
 
@@ -360,6 +325,8 @@ def test_upstream_inject_adafactor_jit_init_fails():
 def test_upstream_inject_adopt_jit_fails():
     # optax takes adopt's `clip_value_fn` for a schedule and calls it with the
     # step count; the result is then called as a function.
+    if not hasattr(optax.contrib, "adopt"):
+        pytest.skip("this optax has no contrib.adopt")
     params = A.params(jnp.float32)
     o = optax.inject_hyperparams(optax.contrib.adopt)(learning_rate=1e-2)
     state = jax.jit(o.init)(params)
