@@ -1,24 +1,48 @@
 """`MultiSteps`: gradient accumulation, a drop-in for `optax.MultiSteps`.
 
 How a step works. Each call folds the incoming gradients into the running
-accumulator (`acc_grads`), then one `lax.cond` on "does this window emit?"
+mean (or sum) in `acc_grads`, then one `lax.cond` on "does this step emit?"
 chooses between two branches:
 
-- emitting: the inner optimizer runs on the window's mean (or sum), its new
-  state is kept and the accumulator is reset to zeros;
-- accumulating: the inner state is returned untouched, the updates are zeros.
+- emitting: the inner optimizer runs on the accumulated gradients and its
+  updates and new state are returned;
+- accumulating: the updates are zeros and the inner state is returned as it
+  came in.
 
 Everything is chosen by selection, never by arithmetic on state. optax blends
 with `emit * new + (1 - emit) * old`, which is why a NaN accumulated once
 stays forever (`0 * nan == nan`), why a non-emitting step returns NaN where
 the inner update is `inf` (`0 * inf == nan`), and why `bool` state leaves used
-to be promoted to integers (optax issue #828). With `lax.cond` the inner
-optimizer also runs only on emitting steps.
+to be promoted to integers (optax issue #828). The accumulator is reset by
+selection too: the first mini-step of a window takes its gradient as the
+mean, `where(mini_step == 0, g, running_mean)`, whatever the buffer held.
+
+Why a mini-step costs one accumulation (measured in `benchmarks/run.py`, and
+the compiled HLO is checked in `tests/test_hlo.py`):
+
+- the inner optimizer sits alone inside the `cond`, so XLA runs it only on
+  emitting steps; optax computes it on every mini-step and discards it;
+- the inner state goes into the `cond` and comes back out of the
+  non-emitting branch untouched: with the state donated, XLA hands the same
+  buffers back and copies nothing;
+- the accumulator is *not* returned by the `cond`. Passing it through the
+  non-emitting branch made XLA copy it into the conditional's output buffer
+  on every mini-step, and resetting it to zeros after the `cond` kept a
+  second params-sized buffer alive (both seen in the compiled HLO). With the
+  lazy reset above, the accumulation is one fused elementwise loop that
+  updates the donated buffer in place.
+
+One caveat is outside the library's reach: JAX pairs donated input buffers
+with outputs by shape and dtype, in order. A jitted step that returns
+`(updates, state)` and donates only the state gets the zero updates paired
+with the inner optimizer's first params-shaped buffers (Adam's moments), so
+every state leaf after them is copied. Donate the gradients too, or return
+the new params rather than the updates (as a train step does).
 
 Under `jax.vmap` with a batched predicate (one accumulation window per batch
 member), `lax.cond` becomes a `select` of both branches: the inner optimizer
-then runs on every step, as in optax, but results are still selected, so the
-contracts above hold.
+then runs on every step, as in optax, but every result is still selected, so
+all contracts hold; only the saving is lost.
 """
 
 from __future__ import annotations
@@ -256,9 +280,13 @@ class MultiSteps:
         def accumulate(g: jax.Array, acc: jax.Array) -> jax.Array:
             g = g.astype(acc.dtype)
             if self._use_grad_mean:
-                new = acc + (g - acc) / (mini_step + 1).astype(acc.dtype)
+                running = acc + (g - acc) / (mini_step + 1).astype(acc.dtype)
             else:
-                new = acc + g
+                running = acc + g
+            # The first mini-step of a window *selects* its gradient: whatever
+            # the previous window left in the buffer (its mean, a NaN) is
+            # dropped, never multiplied by zero.
+            new = jnp.where(mini_step == 0, g, running)
             if self._should_skip_update_fn is None:
                 return new
             return jnp.where(should_skip, acc, new)
@@ -276,10 +304,12 @@ class MultiSteps:
         out_shapes, _ = jax.eval_shape(inner_update, acc_grads, state.inner_opt_state)
 
         # Only the inner optimizer sits inside the `cond`. The accumulator is
-        # an operand that neither branch returns, and its reset is a select
-        # fused with the accumulation below: passing the accumulator through
-        # the non-emitting branch would copy it into the conditional's output
-        # buffer on every mini-step (seen in the compiled HLO).
+        # an operand that neither branch returns: passed through the
+        # non-emitting branch, it would be copied into the conditional's
+        # output buffer on every mini-step, and resetting it to zeros after
+        # the `cond` would keep a second params-sized buffer alive (both seen
+        # in the compiled HLO). It is reset lazily instead, by the select at
+        # the start of the next window, so one buffer is updated in place.
         def emit_branch(acc_grads, inner_state):
             new_updates, new_inner_state = inner_update(acc_grads, inner_state)
             return new_updates, _conform_state(new_inner_state, inner_state)
@@ -292,7 +322,6 @@ class MultiSteps:
         new_updates, inner_state = lax.cond(
             emit, emit_branch, accumulate_branch, acc_grads, state.inner_opt_state
         )
-        acc_grads = jax.tree.map(lambda acc: jnp.where(emit, 0, acc), acc_grads)
         new_state = optax.MultiStepsState(
             mini_step=jnp.where(
                 emit, 0, jnp.where(should_skip, mini_step, mini_step + 1)
