@@ -511,3 +511,26 @@ def test_mismatched_grads_name_the_path():
         opt.update({"layer": {"w": None, "b": jnp.zeros(1)}}, state)
     with pytest.raises(ValueError, match=r"\['extra'\]"):
         opt.update({"layer": params["layer"], "extra": jnp.zeros(1)}, state)
+
+
+def test_vmap_over_independent_windows():
+    """Batched states (the `cond` becomes a select) give, member by member,
+    what unbatched runs give, NaN isolation included."""
+    opt = optax_ext.MultiSteps(
+        optax.chain(optax_ext.zero_nans(), optax.adam(0.1)), every_k_schedule=3
+    )
+    params = jnp.zeros(2)
+    grads = jnp.array(
+        [[[1.0, 2.0], [nan, 1.0], [3.0, 3.0], [1.0, 1.0]],
+         [[inf, 0.5], [2.0, 2.0], [0.5, 1.0], [2.0, 1.0]]]
+    )  # fmt: skip
+    # Member 1 starts one mini-step into its window.
+    states = [opt.init(params), opt.update(grads[1, 0], opt.init(params), params)[1]]
+    batched = jax.tree.map(lambda a, b: jnp.stack([a, b]), *states)
+    step = jax.jit(jax.vmap(opt.update, in_axes=(0, 0, None)))
+    for t in range(1, 4):
+        got, batched = step(grads[:, t], batched, params)
+        for m in range(2):
+            want, states[m] = opt.update(grads[m, t], states[m], params)
+            np.testing.assert_array_equal(to_np(got[m]), to_np(want))
+    assert avals(jax.tree.map(lambda x: x[0], batched)) == avals(states[0])
