@@ -136,9 +136,10 @@ class MultiSteps:
       whatever the inner optimizer would have computed;
     - the accumulator is reset by selection, so a NaN or `inf` in one window
       never reaches the next one;
-    - `params` may be a whole Equinox model: leaves that are not arrays are
-      ignored (they get `None` in the state), as `eqx.apply_updates` ignores
-      them.
+    - `params` may be a whole Equinox model: leaves that are not floating
+      arrays (functions, integer buffers, keys) are not optimised (they get
+      `None` in the state, as `eqx.filter_grad` gives `None` for them and
+      `eqx.apply_updates` skips them).
 
     **Numerics:** the mean is a running (Welford) mean,
     `acc + (g - acc) / (n + 1)`, kept in `promote_types(g.dtype,
