@@ -14,8 +14,9 @@ with `emit * new + (1 - emit) * old`, which is why a NaN accumulated once
 stays forever (`0 * nan == nan`), why a non-emitting step returns NaN where
 the inner update is `inf` (`0 * inf == nan`), and why `bool` state leaves used
 to be promoted to integers (optax issue #828). The accumulator is reset by
-selection too: the first mini-step of a window takes its gradient as the
-mean, `where(mini_step == 0, g, running_mean)`, whatever the buffer held.
+selection too: to zeros after an emitting step (`where(emit, 0, acc)`), and
+the first mini-step of a window takes its gradient as the mean,
+`where(mini_step == 0, g, running_mean)`, whatever the buffer held.
 
 Why a mini-step costs one accumulation (measured in `benchmarks/run.py`, and
 the compiled HLO is checked in `tests/test_hlo.py`):
@@ -25,12 +26,17 @@ the compiled HLO is checked in `tests/test_hlo.py`):
 - the inner state goes into the `cond` and comes back out of the
   non-emitting branch untouched: with the state donated, XLA hands the same
   buffers back and copies nothing;
-- the accumulator is *not* returned by the `cond`. Passing it through the
+- the accumulator is *not* returned by the `cond`: passing it through the
   non-emitting branch made XLA copy it into the conditional's output buffer
-  on every mini-step, and resetting it to zeros after the `cond` kept a
-  second params-sized buffer alive (both seen in the compiled HLO). With the
-  lazy reset above, the accumulation is one fused elementwise loop that
-  updates the donated buffer in place.
+  on every mini-step (seen in the compiled HLO). The accumulation and the
+  reset are elementwise loops, fused.
+
+What it costs: XLA keeps the accumulated value (read by the `cond`) and the
+reset accumulator in two buffers, one params-sized temporary. Resetting
+lazily at the next window's first mini-step instead would avoid it, but then
+the state after an emitting step would hold the applied mean rather than
+zeros, and `optax.MultiSteps` given such a state would add to it: states
+must stay interchangeable, so the temporary stays.
 
 One caveat is outside the library's reach: JAX pairs donated input buffers
 with outputs by shape and dtype, in order. A jitted step that returns
@@ -284,9 +290,9 @@ class MultiSteps:
                 running = acc + (g - acc) / (mini_step + 1).astype(acc.dtype)
             else:
                 running = acc + g
-            # The first mini-step of a window *selects* its gradient: whatever
-            # the previous window left in the buffer (its mean, a NaN) is
-            # dropped, never multiplied by zero.
+            # The first mini-step of a window *selects* its gradient, so even a
+            # state whose buffer holds a NaN (one saved by optax.MultiSteps,
+            # say) starts the window clean.
             new = jnp.where(mini_step == 0, g, running)
             if self._should_skip_update_fn is None:
                 return new
@@ -306,11 +312,11 @@ class MultiSteps:
 
         # Only the inner optimizer sits inside the `cond`. The accumulator is
         # an operand that neither branch returns: passed through the
-        # non-emitting branch, it would be copied into the conditional's
-        # output buffer on every mini-step, and resetting it to zeros after
-        # the `cond` would keep a second params-sized buffer alive (both seen
-        # in the compiled HLO). It is reset lazily instead, by the select at
-        # the start of the next window, so one buffer is updated in place.
+        # non-emitting branch it would be copied into the conditional's output
+        # buffer on every mini-step (seen in the compiled HLO). It is reset
+        # after the `cond` by a select, so the state after an emitting step
+        # holds zeros there, as optax's does: a state saved by either
+        # implementation continues correctly in the other.
         def emit_branch(acc_grads, inner_state):
             new_updates, new_inner_state = inner_update(acc_grads, inner_state)
             return new_updates, _conform_state(new_inner_state, inner_state)
@@ -323,6 +329,7 @@ class MultiSteps:
         new_updates, inner_state = lax.cond(
             emit, emit_branch, accumulate_branch, acc_grads, state.inner_opt_state
         )
+        acc_grads = jax.tree.map(lambda acc: jnp.where(emit, 0, acc), acc_grads)
         new_state = optax.MultiStepsState(
             mini_step=jnp.where(
                 emit, 0, jnp.where(should_skip, mini_step, mini_step + 1)

@@ -370,6 +370,24 @@ def test_extra_args_reach_the_inner_optimizer():
     np.testing.assert_allclose(to_np(u), [20.0, 30.0])
 
 
+@pytest.mark.parametrize("use_grad_mean", [True, False])
+def test_state_after_an_emit_continues_in_optax(use_grad_mean):
+    """A state saved by optax_ext at a window boundary continues correctly in
+    optax.MultiSteps (which adds to whatever acc_grads holds), and back."""
+    ours = optax_ext.MultiSteps(optax.sgd(1.0), 2, use_grad_mean=use_grad_mean)
+    theirs = optax.MultiSteps(optax.sgd(1.0), 2, use_grad_mean=use_grad_mean)
+    p = jnp.zeros(2)
+    scale = 0.5 if use_grad_mean else 1.0
+    for first, second in [(ours, theirs), (theirs, ours)]:
+        s = first.init(p)
+        for g in ([3.0, 3.0], [3.0, 3.0]):
+            _, s = first.update(jnp.array(g), s, p)
+        np.testing.assert_array_equal(s.acc_grads, [0.0, 0.0])
+        for g in ([1.0, 2.0], [1.0, 4.0]):
+            u, s = second.update(jnp.array(g), s, p)
+        np.testing.assert_allclose(u, [-2.0 * scale, -6.0 * scale])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_state_is_interchangeable_with_optax(dtype):
     params = {"a": jnp.ones((3, 2), dtype), "b": jnp.ones(2, dtype)}
