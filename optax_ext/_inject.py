@@ -75,9 +75,11 @@ def _annotation_rules_out_schedule(annotation: Any) -> bool:
     return not any(len(f) == 1 and not _takes_a_tree(f[0]) for f in forms)
 
 
-def _is_structured_pytree(value: Any) -> bool:
-    leaves = jax.tree.leaves(value)
-    return not (len(leaves) == 1 and leaves[0] is value)
+def _is_int(value: Any) -> bool:
+    """A Python or NumPy integer scalar (not a bool)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(
+        value, (bool, np.bool_)
+    )
 
 
 def _classify(name: str, value: Any, param: inspect.Parameter, static: set[str]) -> str:
@@ -98,14 +100,8 @@ def _classify(name: str, value: Any, param: inspect.Parameter, static: set[str])
             return _STATIC
         if _annotation_rules_out_schedule(param.annotation):
             return _STATIC
-        if _is_structured_pytree(value):
-            return _STATIC
         return _SCHEDULE
-    if (
-        isinstance(value, int)
-        and isinstance(param.default, int)
-        and not isinstance(param.default, bool)
-    ):
+    if _is_int(value) and _is_int(param.default):
         return _STATIC
     if isinstance(value, (numbers.Number, np.ndarray, np.generic, jax.Array)):
         return _NUMERIC
@@ -197,8 +193,12 @@ def inject_hyperparams(
     ```
     """
     static = {static_args} if isinstance(static_args, str) else set(static_args)
-    signature = inspect.signature(inner_factory)
-    unknown = static - set(signature.parameters)
+    try:  # resolve `from __future__ import annotations` strings if possible
+        signature = inspect.signature(inner_factory, eval_str=True)
+    except Exception:  # noqa: BLE001 - unresolvable names: use them as strings
+        signature = inspect.signature(inner_factory)
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    unknown = set() if takes_kwargs else static - set(signature.parameters)
     if unknown:
         raise ValueError(
             f"static_args names {sorted(unknown)}, which "
@@ -245,9 +245,7 @@ class _Injection:
         self.numeric = {n: v for n, v in arguments.items() if kinds[n] == _NUMERIC}
         # Given as Python numbers: made weak on every step (see _as_hyperparam).
         self.weak = {
-            n
-            for n, v in self.numeric.items()
-            if not isinstance(v, (jax.Array, np.ndarray))
+            n for n, v in self.numeric.items() if type(v) in (int, float, complex)
         }
         self.schedules = {
             n: v if kinds[n] == _STATEFUL else optax.schedules.WrappedSchedule(v)
@@ -279,19 +277,56 @@ class _Injection:
         schedule_states: dict[str, Any],
         **extra_args: Any,
     ) -> dict[str, Any]:
+        # Only the names in `numeric` are injected: `init` leaves out those
+        # the factory cannot take traced (see `_traceable`), and `update`
+        # follows the state.
         hyperparams = {
             n: _as_hyperparam(numeric[n], self.dtype, weak=n in self.weak)
             for n in self.numeric
+            if n in numeric
         }
         for n, schedule in self.schedules.items():
             value = schedule(schedule_states[n], **extra_args)
             hyperparams[n] = _as_hyperparam(value, self.dtype, weak=True)
         return hyperparams
 
+    def _traceable(self, params: Any) -> dict[str, Any]:
+        """The numeric hyperparameters the factory accepts as traced values.
+
+        Some factories branch on a number in Python (`reduce_on_plateau`
+        checks `factor` at construction, `scale_by_sm3` tests `b2 != 1.0` in
+        its update). Injected, such a number is a tracer and the branch
+        raises. This traces one init and update abstractly (no computation)
+        and leaves out, as passed through unchanged, every name that raises a
+        concretization error when traced alone.
+        """
+
+        def trial(names: Iterable[str]) -> bool:
+            def run(traced):
+                tx = self._build(traced)
+                state = tx.init(params)
+                return tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
+
+            values = {
+                n: _as_hyperparam(self.numeric[n], self.dtype, n in self.weak)
+                for n in names
+            }
+            try:
+                jax.eval_shape(run, values)
+            except jax.errors.ConcretizationTypeError:
+                return False
+            except Exception:  # noqa: BLE001 - e.g. an update that needs `value=`:
+                return True  # not ours to judge; the real call will say
+            return True
+
+        if not self.numeric or trial(self.numeric):
+            return dict(self.numeric)
+        return {n: v for n, v in self.numeric.items() if trial([n])}
+
     def init(self, params: Any) -> optax.InjectStatefulHyperparamsState:
         params = trainable(params)
         schedule_states = {n: s.init() for n, s in self.schedules.items()}
-        hyperparams = self._hyperparams(self.numeric, schedule_states)
+        hyperparams = self._hyperparams(self._traceable(params), schedule_states)
         return optax.InjectStatefulHyperparamsState(
             count=jnp.zeros((), jnp.int32),
             hyperparams=hyperparams,

@@ -63,7 +63,7 @@ import optax
 from jax import lax
 
 from ._static import Method, config_key
-from ._tree import cast_like, check_same_structure, trainable
+from ._tree import cast_like, check_same_shapes, check_same_structure, trainable
 
 PyTree = Any
 _INT32_MAX = jnp.iinfo(jnp.int32).max
@@ -91,6 +91,29 @@ def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
     )
 
 
+def _check_k(k: Any) -> jax.Array:
+    """The window length from `every_k_schedule`: a scalar int (a float is
+    accepted, as optax does); a concrete value must be positive."""
+    k = jnp.asarray(k)
+    if k.shape != () or not (
+        jnp.issubdtype(k.dtype, jnp.integer) or jnp.issubdtype(k.dtype, jnp.floating)
+    ):
+        raise TypeError(
+            "every_k_schedule must return a scalar int (the number of mini-steps "
+            f"in this window), got dtype {k.dtype} and shape {k.shape}."
+        )
+    try:
+        concrete = float(k)
+    except jax.errors.ConcretizationTypeError:
+        return k  # traced under jit: checked by the caller's values
+    if concrete < 1:
+        raise ValueError(
+            f"every_k_schedule returned {concrete:g}; a window needs at least one "
+            "mini-step."
+        )
+    return k
+
+
 def _check_skip_output(out: Any, fn: Callable) -> tuple[jax.Array, PyTree]:
     name = getattr(fn, "__name__", repr(fn))
     if not (isinstance(out, tuple) and len(out) == 2):
@@ -105,7 +128,8 @@ def _check_skip_output(out: Any, fn: Callable) -> tuple[jax.Array, PyTree]:
     elif dtype != jnp.bool_ or jnp.shape(should_skip) != ():
         raise TypeError(
             f"should_skip_update_fn {name} must return a scalar bool as its first "
-            f"output, got dtype {dtype} and shape {jnp.shape(should_skip)}. "
+            f"output, got {type(should_skip).__name__} {should_skip!r} (dtype "
+            f"{dtype}, shape {jnp.shape(should_skip)}). "
             "Reduce it to one decision, e.g. with `jnp.any(...)`."
         )
     return should_skip, skip_state
@@ -277,11 +301,17 @@ class MultiSteps:
             expected_name="the accumulated gradients in the state",
             got_name="the updates",
         )
+        check_same_shapes(
+            state.acc_grads,
+            updates,
+            expected_name="the accumulated gradients",
+            got_name="the updates",
+        )
         if params is not None:
             params = trainable(params)
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
-        k = self._every_k_schedule(gradient_step)
+        k = _check_k(self._every_k_schedule(gradient_step))
         should_skip, skip_state = self._should_skip(updates, gradient_step, params)
 
         def accumulate(g: jax.Array, acc: jax.Array) -> jax.Array:

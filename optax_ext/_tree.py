@@ -83,10 +83,29 @@ def check_same_structure(
     raise ValueError(
         f"The tree of {got_name} does not match {expected_name}: {problem}. "
         "Pass updates with the same structure as the params the optimizer was "
-        "initialised with (for Equinox, initialise with "
-        "`eqx.filter(model, eqx.is_array)` or the same filter used for the "
-        "gradients)."
+        "initialised with. Only floating arrays are optimised: other params "
+        "leaves (Python scalars, integer arrays, functions) hold None in the "
+        "state, as `eqx.filter_grad` gives None for them; wrap a Python scalar "
+        "you want trained in `jnp.asarray`."
     )
+
+
+def check_same_shapes(
+    expected: PyTree, got: PyTree, *, expected_name: str, got_name: str
+) -> None:
+    """Raises a `ValueError` naming the first path where leaf shapes differ
+    (the trees have the same structure)."""
+    for (path, e), g in zip(
+        jax.tree_util.tree_flatten_with_path(expected)[0],
+        jax.tree.leaves(got),
+        strict=True,
+    ):
+        if jnp.shape(e) != jnp.shape(g):
+            raise ValueError(
+                f"At {jax.tree_util.keystr(path) or 'the root'} {got_name} have "
+                f"shape {jnp.shape(g)} but {expected_name} have shape "
+                f"{jnp.shape(e)}: the gradients must have the shapes of the params."
+            )
 
 
 def is_weak(x: Any) -> bool:

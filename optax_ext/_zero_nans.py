@@ -10,6 +10,7 @@ from ._tree import trainable
 
 
 def _found_nan(update: jax.Array) -> jax.Array:
+    update = jnp.asarray(update)
     if not jnp.issubdtype(update.dtype, jnp.inexact):
         # Integer and bool updates cannot hold NaN; `jnp.isnan` would still
         # build a comparison, so answer statically.
@@ -18,6 +19,7 @@ def _found_nan(update: jax.Array) -> jax.Array:
 
 
 def _zero_nan(update: jax.Array) -> jax.Array:
+    update = jnp.asarray(update)  # a Python scalar leaf, as optax accepts
     if not jnp.issubdtype(update.dtype, jnp.inexact):
         return update
     # `where` selects: with a Python zero the result keeps the update's dtype

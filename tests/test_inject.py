@@ -1,6 +1,8 @@
 """inject_hyperparams: masks, schedules, numerics, hypergradients."""
 
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -189,7 +191,7 @@ def _factory(
     flag: bool = False,
     name: str = "x",
     dtype=jnp.float32,
-    tree_fn: "optax.Params" = None,
+    tree_fn: "Callable[[optax.Params], Any]" = None,
 ):
     del count, fn, mask, flag, name, dtype, tree_fn
     return optax.sgd(learning_rate)
@@ -204,7 +206,7 @@ def test_classification_rule():
         seen.update(bound.arguments)
         return _factory(*args, **kwargs)
 
-    spy.__signature__ = inspect.signature(_factory)
+    spy.__signature__ = inspect.signature(_factory, eval_str=True)
     opt = optax_ext.inject_hyperparams(spy)(
         learning_rate=lambda c: 0.1,
         count=5,
@@ -240,3 +242,67 @@ def test_checkpoint_round_trip_keeps_the_arithmetic():
         assert a.dtype == b.dtype == jnp.bfloat16
         np.testing.assert_array_equal(to_np(a), to_np(b))
     assert new_state.hyperparams["b2"].weak_type
+
+
+@pytest.mark.parametrize(
+    "factory, extra",
+    [
+        (optax.scale_by_sm3, {}),
+        (optax.contrib.reduce_on_plateau, {"value": jnp.float32(1.0)}),
+    ],
+)
+def test_numbers_the_factory_branches_on_are_passed_through(factory, extra):
+    """sm3 tests `b2 != 1.0` in Python, reduce_on_plateau checks `factor`:
+    injected they would be tracers; they are detected at init and kept static."""
+    p = {"w": jnp.ones((3, 2))}
+    opt = optax_ext.inject_hyperparams(factory)()
+    state = jax.jit(opt.init)(p)
+    updates, state = jax.jit(opt.update)(p, state, p, **extra)
+    bare = factory()
+    want, _ = bare.update(p, bare.init(p), p, **extra)
+    for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert state.hyperparams  # the others are still injected
+    upstream = optax.inject_hyperparams(factory)()
+    with pytest.raises(jax.errors.ConcretizationTypeError):
+        jax.jit(upstream.update)(p, jax.jit(upstream.init)(p), p, **extra)
+
+
+def test_numpy_int_sizes_are_static():
+    P = {"w": jnp.ones((4, 300))}
+    opt = optax_ext.inject_hyperparams(optax.adafactor)(
+        learning_rate=0.1, min_dim_size_to_factor=np.int64(2)
+    )
+    state = jax.jit(opt.init)(P)
+    assert "min_dim_size_to_factor" not in state.hyperparams
+
+
+def test_callable_pytree_schedule_is_a_schedule():
+    """Outside mask parameters a callable pytree (an Equinox module with
+    __call__) is a schedule, as in optax."""
+
+    class Decay(eqx.Module):
+        peak: float
+
+        def __call__(self, step):
+            return self.peak / (1 + step)
+
+    opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=Decay(1.0))
+    p = jnp.zeros(1)
+    state = opt.init(p)
+    outs = []
+    for _ in range(3):
+        u, state = opt.update(jnp.ones(1), state, p)
+        outs.append(float(u[0]))
+    np.testing.assert_allclose(outs, [-1.0, -0.5, -1 / 3], rtol=1e-6)
+    assert "learning_rate" in state.hyperparams
+
+
+def test_static_args_through_kwargs():
+    def factory(learning_rate, **kwargs):
+        assert kwargs["b1"] == 0.5 and isinstance(kwargs["b1"], float)
+        return optax.adam(learning_rate, **kwargs)
+
+    opt = optax_ext.inject_hyperparams(factory, static_args="b1")(0.1, b1=0.5)
+    state = jax.jit(opt.init)(jnp.zeros(2))
+    assert set(state.hyperparams) == {"learning_rate"}

@@ -552,3 +552,30 @@ def test_vmap_over_independent_windows():
             want, states[m] = opt.update(grads[m, t], states[m], params)
             np.testing.assert_array_equal(to_np(got[m]), to_np(want))
     assert avals(jax.tree.map(lambda x: x[0], batched)) == avals(states[0])
+
+
+def test_wrong_gradient_shapes_name_the_path():
+    opt = optax_ext.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
+    state = opt.init({"w": jnp.zeros(3)})
+    for bad in [jnp.zeros(()), jnp.zeros((4, 3)), jnp.zeros(2)]:
+        with pytest.raises(ValueError, match=r"\['w'\].*shape"):
+            jax.jit(opt.update)({"w": bad}, state)
+
+
+@pytest.mark.parametrize(
+    "schedule, error",
+    [(lambda step: 0, ValueError), (lambda step: jnp.ones(2, jnp.int32), TypeError)],
+    ids=["zero", "vector"],
+)
+def test_every_k_schedule_output_is_checked(schedule, error):
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=schedule)
+    with pytest.raises(error, match="every_k_schedule"):
+        opt.update(jnp.ones(2), opt.init(jnp.zeros(2)))
+
+
+def test_python_scalar_params_get_a_clear_error():
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    with pytest.raises(ValueError, match="jnp.asarray"):
+        opt.update(1.0, opt.init(1.0))
+    # wrapped, it trains
+    _, state = opt.update(jnp.asarray(1.0), opt.init(jnp.asarray(1.0)))

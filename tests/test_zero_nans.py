@@ -139,3 +139,9 @@ def test_vmap_scan_and_grad():
         jnp.array([-1.0, 2.0])
     )
     np.testing.assert_allclose(g, [0.0, 0.5])
+
+
+def test_python_scalar_updates():
+    tx = optax_ext.zero_nans()
+    out, state = tx.update({"a": nan, "b": 2.0}, tx.init({"a": 0.0, "b": 0.0}))
+    assert float(out["a"]) == 0.0 and float(out["b"]) == 2.0
