@@ -147,19 +147,24 @@ def inject_hyperparams(
        `params -> mask` (optax issue #1373);
     5. any other callable is passed through when the factory's default for that
        parameter is itself a callable (e.g. `optax.contrib.adopt`'s
-       `clip_value_fn`), when the parameter's annotation names callables but
-       none that takes a single number, or when the callable is a pytree with
-       leaves of its own (an Equinox module, a Flax struct);
-    6. any other callable is a schedule: called with the step count;
-    7. a Python int where the factory's default is an int (a size or count,
-       such as adafactor's `min_dim_size_to_factor` or muon's `ns_steps`) is
-       passed through, since the factory may use it in Python control flow
-       (optax issue #412);
-    8. any other number or array is injected into `state.hyperparams`.
+       `clip_value_fn`), or when the parameter's annotation names callables
+       but none that takes a single number (e.g. `Callable[[Params], Any]`);
+    6. any other callable is a schedule, called with the step count (a plain
+       function, an optax schedule, or a callable pytree such as an Equinox
+       module with `__call__`);
+    7. a Python or NumPy int where the factory's default is an int (a size or
+       count, such as adafactor's `min_dim_size_to_factor` or muon's
+       `ns_steps`) is passed through, since the factory may use it in Python
+       control flow (optax issue #412);
+    8. any other number or array is injected into `state.hyperparams`, except
+       one the factory cannot take as a traced value: `init` traces the
+       factory's init and update abstractly and passes through each number
+       that raises a concretization error on its own (`scale_by_sm3` tests
+       `b2 != 1.0` in Python, `reduce_on_plateau` checks `factor`). Such a
+       number is absent from `state.hyperparams`.
 
-    To make an argument a schedule against rules 4-5, wrap it in a `lambda`
-    and name nothing in `static_args`; to pass one through against rules 6-8,
-    name it in `static_args`.
+    To make an argument a schedule against rules 4-5, wrap it in a `lambda`;
+    to pass one through against rules 6-8, name it in `static_args`.
 
     **Numerics:** injecting never changes the arithmetic of the optimizer.
     Python numbers and schedule outputs are stored as weakly typed arrays,
