@@ -306,6 +306,7 @@ class MultiSteps:
             updates,
             expected_name="the accumulated gradients",
             got_name="the updates",
+            hint="the gradients must have the shapes of the params.",
         )
         if params is not None:
             params = trainable(params)
@@ -397,6 +398,13 @@ def _conform_state(new: PyTree, old: PyTree) -> PyTree:
             f"than it was given: {new_def} instead of {old_def}. MultiSteps "
             "needs an inner optimizer whose state keeps its structure."
         )
+    check_same_shapes(
+        old,
+        new,
+        expected_name="the inner state it was given",
+        got_name="the inner optimizer's new state",
+        hint="MultiSteps cannot keep a state whose shapes change.",
+    )
     leaves = []
     for path_leaf, n, o in zip(
         jax.tree_util.tree_flatten_with_path(old)[0],
@@ -404,12 +412,6 @@ def _conform_state(new: PyTree, old: PyTree) -> PyTree:
         old_leaves,
         strict=True,
     ):
-        if jnp.shape(n) != jnp.shape(o):
-            raise ValueError(
-                f"The inner optimizer changed the shape of its state leaf at "
-                f"{jax.tree_util.keystr(path_leaf[0])} from {jnp.shape(o)} to "
-                f"{jnp.shape(n)}; MultiSteps cannot keep such a state."
-            )
         if jax.dtypes.issubdtype(o.dtype, jax.dtypes.prng_key):
             if n.dtype != o.dtype:
                 raise ValueError(

@@ -91,7 +91,7 @@ def check_same_structure(
 
 
 def check_same_shapes(
-    expected: PyTree, got: PyTree, *, expected_name: str, got_name: str
+    expected: PyTree, got: PyTree, *, expected_name: str, got_name: str, hint: str
 ) -> None:
     """Raises a `ValueError` naming the first path where leaf shapes differ
     (the trees have the same structure)."""
@@ -104,7 +104,7 @@ def check_same_shapes(
             raise ValueError(
                 f"At {jax.tree_util.keystr(path) or 'the root'} {got_name} have "
                 f"shape {jnp.shape(g)} but {expected_name} have shape "
-                f"{jnp.shape(e)}: the gradients must have the shapes of the params."
+                f"{jnp.shape(e)}: {hint}"
             )
 
 
