@@ -2,8 +2,9 @@
 
 from ._inject import inject_hyperparams as inject_hyperparams
 from ._multi_steps import MultiSteps as MultiSteps
+from ._stop_gradient import stop_gradient_where as stop_gradient_where
 from ._zero_nans import zero_nans as zero_nans
 
 __version__ = "0.1.0"
 
-__all__ = ["MultiSteps", "inject_hyperparams", "zero_nans"]
+__all__ = ["MultiSteps", "inject_hyperparams", "stop_gradient_where", "zero_nans"]

@@ -1,0 +1,87 @@
+"""`stop_gradient_where`: a conditional `torch.no_grad()` for JAX values.
+
+PyTorch code often disables gradients for a block when a flag is set
+(`with torch.no_grad() if frozen else nullcontext(): ...`) and relies on the
+previous mode being restored afterwards. JAX has no global gradient mode: a
+value either carries a gradient or is wrapped in `lax.stop_gradient`. The
+conditional form, with a flag known only at run time (a traced bool), is a
+selection between the value and its stopped copy. It has no state, so
+nothing can leak past the call, and it composes with `jit`, `vmap` and
+nested `grad`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+PyTree = Any
+
+
+def _stop_leaf(pred: Any, x: Any) -> Any:
+    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)):
+        return x  # functions, integers, keys: no gradient to stop
+    pred = jnp.asarray(pred)
+    if pred.dtype != jnp.bool_:
+        raise TypeError(
+            f"stop_gradient_where needs a bool predicate, got dtype {pred.dtype} "
+            f"(shape {pred.shape}); compare first, e.g. `step < warmup`."
+        )
+    try:
+        jnp.broadcast_shapes(pred.shape, x.shape)
+    except ValueError:
+        raise ValueError(
+            f"stop_gradient_where: a predicate of shape {pred.shape} does not "
+            f"broadcast against a leaf of shape {x.shape}."
+        ) from None
+    # A select, not `pred * x`: the value passes through bit for bit (NaN and
+    # inf too) and the cotangent is selected, never multiplied by zero.
+    return jnp.where(pred, lax.stop_gradient(x), x)
+
+
+def stop_gradient_where(pred: Any, tree: PyTree) -> PyTree:
+    """Blocks gradients through `tree` where `pred` is true; values unchanged.
+
+    **Arguments:**
+
+    - `pred`: a bool, or a bool array (traced is fine), or a pytree of them
+      that is a prefix of `tree`: one predicate per subtree or per leaf. Each
+      predicate may also be an array broadcastable against its leaves, to
+      stop gradients element by element.
+    - `tree`: any pytree. Leaves that are not floating arrays (an Equinox
+      model's functions, integer buffers) are returned as they are.
+
+    **Returns:**
+
+    `tree` with the same values, dtypes and weak types; the gradient of any
+    function of the result with respect to `tree` is zero wherever `pred` is
+    true and unchanged elsewhere.
+
+    **Example:**
+
+    ```python
+    def loss(params, frozen):  # frozen: a traced bool
+        encoder = optax_ext.stop_gradient_where(frozen, params["encoder"])
+        return objective(encoder, params["head"])
+    ```
+    """
+    if not jax.tree.leaves(pred):
+        raise ValueError(
+            f"stop_gradient_where: the predicate {pred!r} holds no bool; pass a "
+            "bool, a bool array, or a pytree of them."
+        )
+    try:
+        return jax.tree.map(
+            lambda p, sub: jax.tree.map(lambda x: _stop_leaf(p, x), sub), pred, tree
+        )
+    except ValueError as error:
+        if "stop_gradient_where" in str(error):
+            raise
+        raise ValueError(
+            "stop_gradient_where: the predicate tree must be a bool or a prefix of "
+            f"the value tree ({jax.tree.structure(pred)} is not a prefix of "
+            f"{jax.tree.structure(tree)})."
+        ) from error
