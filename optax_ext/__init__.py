@@ -2,9 +2,16 @@
 
 from ._inject import inject_hyperparams as inject_hyperparams
 from ._multi_steps import MultiSteps as MultiSteps
+from ._skip_when import skip_when as skip_when
 from ._stop_gradient import stop_gradient_where as stop_gradient_where
 from ._zero_nans import zero_nans as zero_nans
 
 __version__ = "0.1.0"
 
-__all__ = ["MultiSteps", "inject_hyperparams", "stop_gradient_where", "zero_nans"]
+__all__ = [
+    "MultiSteps",
+    "inject_hyperparams",
+    "skip_when",
+    "stop_gradient_where",
+    "zero_nans",
+]

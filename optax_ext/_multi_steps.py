@@ -60,10 +60,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
+from ._conditional import update_if
 from ._static import Method, config_key
-from ._tree import cast_like, check_same_shapes, check_same_structure, trainable
+from ._tree import check_same_shapes, check_same_structure, trainable
 
 PyTree = Any
 _INT32_MAX = jnp.iinfo(jnp.int32).max
@@ -339,8 +339,6 @@ class MultiSteps:
             )
             return self._opt.update(grads, inner_state, params, **extra_args)
 
-        out_shapes, _ = jax.eval_shape(inner_update, acc_grads, state.inner_opt_state)
-
         # Only the inner optimizer sits inside the `cond`. The accumulator is
         # an operand that neither branch returns: passed through the
         # non-emitting branch it would be copied into the conditional's output
@@ -348,17 +346,8 @@ class MultiSteps:
         # after the `cond` by a select, so the state after an emitting step
         # holds zeros there, as optax's does: a state saved by either
         # implementation continues correctly in the other.
-        def emit_branch(acc_grads, inner_state):
-            new_updates, new_inner_state = inner_update(acc_grads, inner_state)
-            return new_updates, _conform_state(new_inner_state, inner_state)
-
-        def accumulate_branch(acc_grads, inner_state):
-            del acc_grads
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
-            return zeros, inner_state
-
-        new_updates, inner_state = lax.cond(
-            emit, emit_branch, accumulate_branch, acc_grads, state.inner_opt_state
+        new_updates, inner_state = update_if(
+            emit, inner_update, acc_grads, state.inner_opt_state
         )
         acc_grads = jax.tree.map(lambda acc: jnp.where(emit, 0, acc), acc_grads)
         new_state = optax.MultiStepsState(
@@ -385,41 +374,3 @@ class MultiSteps:
         return optax.GradientTransformationExtraArgs(
             Method(self, "init"), Method(self, "update")
         )
-
-
-def _conform_state(new: PyTree, old: PyTree) -> PyTree:
-    """Gives each leaf of the inner optimizer's new state its old dtype and weak
-    type, so that both branches of the `lax.cond` agree exactly."""
-    new_leaves, new_def = jax.tree.flatten(new)
-    old_leaves, old_def = jax.tree.flatten(old)
-    if new_def != old_def:
-        raise ValueError(
-            "The inner optimizer returned a state with another tree structure "
-            f"than it was given: {new_def} instead of {old_def}. MultiSteps "
-            "needs an inner optimizer whose state keeps its structure."
-        )
-    check_same_shapes(
-        old,
-        new,
-        expected_name="the inner state it was given",
-        got_name="the inner optimizer's new state",
-        hint="MultiSteps cannot keep a state whose shapes change.",
-    )
-    leaves = []
-    for path_leaf, n, o in zip(
-        jax.tree_util.tree_flatten_with_path(old)[0],
-        new_leaves,
-        old_leaves,
-        strict=True,
-    ):
-        if jax.dtypes.issubdtype(o.dtype, jax.dtypes.prng_key):
-            if n.dtype != o.dtype:
-                raise ValueError(
-                    f"The inner optimizer changed the key type of its state leaf "
-                    f"at {jax.tree_util.keystr(path_leaf[0])} from {o.dtype} to "
-                    f"{n.dtype}."
-                )
-            leaves.append(n)
-        else:
-            leaves.append(cast_like(n, o))
-    return jax.tree.unflatten(old_def, leaves)

@@ -1,0 +1,108 @@
+"""`skip_when`: skip the inner optimizer on steps chosen at run time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+from ._conditional import update_if
+from ._static import Method, config_key
+from ._tree import trainable
+
+PyTree = Any
+
+
+class _SkipWhen:
+    """`inner` and the name of the flag; equal when built from equal ones."""
+
+    def __init__(self, inner: optax.GradientTransformation, flag: str = "skip"):
+        if not (
+            callable(getattr(inner, "init", None))
+            and callable(getattr(inner, "update", None))
+        ):
+            raise TypeError(
+                "inner must be an optax.GradientTransformation, got "
+                f"{inner!r} of type {type(inner).__name__}."
+            )
+        if not (isinstance(flag, str) and flag.isidentifier()):
+            raise ValueError(f"flag must be a keyword argument name, got {flag!r}.")
+        self.inner = optax.with_extra_args_support(inner)
+        self.flag = flag
+        self._key = config_key(inner, flag)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _SkipWhen) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def init(self, params: PyTree) -> PyTree:
+        return self.inner.init(trainable(params))
+
+    def update(
+        self, updates: PyTree, state: PyTree, params: PyTree = None, **extra_args: Any
+    ) -> tuple[PyTree, PyTree]:
+        if self.flag not in extra_args:
+            raise TypeError(
+                f"skip_when needs the keyword argument {self.flag}=<scalar bool> in "
+                f"update; got {sorted(extra_args) or 'none'}."
+            )
+        skip = jnp.asarray(extra_args.pop(self.flag))
+        if skip.dtype != jnp.bool_ or skip.shape != ():
+            raise TypeError(
+                f"skip_when: {self.flag} must be a scalar bool, got dtype "
+                f"{skip.dtype} and shape {skip.shape}."
+            )
+        if params is not None:
+            params = trainable(params)
+
+        def inner_update(grads, inner_state):
+            return self.inner.update(grads, inner_state, params, **extra_args)
+
+        return update_if(jnp.logical_not(skip), inner_update, updates, state)
+
+
+def skip_when(
+    inner: optax.GradientTransformation, flag: str = "skip"
+) -> optax.GradientTransformationExtraArgs:
+    """Skips `inner` on steps where the extra argument `flag` is true.
+
+    The optimizer-side counterpart of `stop_gradient_where`: the decision is a
+    traced bool passed to `update` as a keyword argument (through
+    `optax.chain`, which forwards extra arguments), so a jitted step compiles
+    once for both outcomes. On a skipped step the updates are exact zeros in
+    the inner updates' dtype and the inner state is returned untouched; on
+    other steps `inner` runs as usual. The state is `inner`'s own, so
+    wrapping changes no checkpoint.
+
+    Compared with `optax.transforms.conditionally_mask(inner, fn,
+    forward_extra_args=True)`: its zeros take the dtype of the incoming
+    gradients, so an inner optimizer that returns another dtype (bfloat16
+    gradients, a float32 schedule) makes its `lax.cond` fail; the inner state
+    is not conformed (a weak-typed leaf becomes strong); the flag is also
+    forwarded to the inner optimizer; and it wraps the state in a new type.
+
+    **Arguments:**
+
+    - `inner`: the optimizer to skip, an `optax.GradientTransformation`.
+    - `flag`: the name of the keyword argument of `update` that decides.
+
+    **Returns:**
+
+    An `optax.GradientTransformationExtraArgs` whose state is `inner`'s.
+
+    **Example:**
+
+    ```python
+    opt = optax.chain(
+        optax.clip_by_global_norm(1.0), optax_ext.skip_when(optax.adam(1e-3))
+    )
+    updates, state = opt.update(grads, state, params, skip=loss_is_spiking)
+    ```
+    """
+    transform = _SkipWhen(inner, flag)
+    return optax.GradientTransformationExtraArgs(
+        Method(transform, "init"), Method(transform, "update")
+    )
