@@ -579,3 +579,24 @@ def test_python_scalar_params_get_a_clear_error():
         opt.update(1.0, opt.init(1.0))
     # wrapped, it trains
     _, state = opt.update(jnp.asarray(1.0), opt.init(jnp.asarray(1.0)))
+
+
+def test_scan_and_grad_through_update():
+    """lax.scan over mini-steps equals a Python loop; the gradient of the
+    emitted sgd(1) update with respect to each mini-step's gradients is -1/k."""
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=4)
+    params = jnp.zeros(3)
+    grads = jnp.arange(12.0).reshape(4, 3)
+
+    def run(grads):
+        def body(state, g):
+            u, state = opt.update(g, state, params)
+            return state, u
+
+        return jax.lax.scan(body, opt.init(params), grads)[1]
+
+    outs = jax.jit(run)(grads)
+    np.testing.assert_allclose(outs[3], -grads.mean(axis=0))
+    assert_exact_zeros(outs[:3])
+    d = jax.grad(lambda g: jnp.sum(run(g)[3]))(grads)
+    np.testing.assert_allclose(d, jnp.full((4, 3), -0.25))
