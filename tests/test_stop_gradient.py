@@ -84,3 +84,18 @@ def test_equinox_model_leaves_pass_through():
 def test_bad_predicates(pred, error):
     with pytest.raises(error, match="stop_gradient_where"):
         optax_ext.stop_gradient_where(pred, X)
+
+
+def test_nothing_leaks_outside_the_call():
+    """Only the value passed through the call is stopped: the same input used
+    elsewhere in the function keeps its gradient, before and after."""
+
+    def f(x):
+        before = jnp.sum(x**2)  # d/dx = 2x
+        stopped = jnp.sum(optax_ext.stop_gradient_where(jnp.asarray(True), x) ** 3)
+        after = jnp.sum(jnp.sin(x))  # d/dx = cos x
+        return before + stopped + after
+
+    x = jnp.array([0.5, -1.0])
+    np.testing.assert_allclose(jax.grad(f)(x), 2 * x + jnp.cos(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(f))(x), 2 * x + jnp.cos(x), rtol=1e-6)
