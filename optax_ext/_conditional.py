@@ -14,6 +14,18 @@ from ._tree import cast_like, check_same_shapes
 PyTree = Any
 
 
+def check_transformation(value: Any, name: str) -> None:
+    """Raises a `TypeError` unless `value` has callable `init` and `update`."""
+    if not (
+        callable(getattr(value, "init", None))
+        and callable(getattr(value, "update", None))
+    ):
+        raise TypeError(
+            f"{name} must be an optax.GradientTransformation (with `init` and "
+            f"`update`), got {value!r} of type {type(value).__name__}."
+        )
+
+
 def update_if(
     pred: jax.Array,
     inner_update: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],

@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._conditional import update_if
+from ._conditional import check_transformation, update_if
 from ._static import Method, config_key
 from ._tree import check_same_shapes, check_same_structure, trainable
 
@@ -212,14 +212,7 @@ class MultiSteps:
         should_skip_update_fn: Callable[..., tuple[jax.Array, PyTree]] | None = None,
         accumulator_dtype: Any = jnp.float32,
     ):
-        if not (
-            callable(getattr(opt, "init", None))
-            and callable(getattr(opt, "update", None))
-        ):
-            raise TypeError(
-                "opt must be an optax.GradientTransformation (with `init` and "
-                f"`update`), got {opt!r} of type {type(opt).__name__}."
-            )
+        check_transformation(opt, "opt")
         if should_skip_update_fn is not None and not callable(should_skip_update_fn):
             raise TypeError(
                 "should_skip_update_fn must be None or a function "

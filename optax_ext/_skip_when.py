@@ -7,7 +7,7 @@ from typing import Any
 import jax.numpy as jnp
 import optax
 
-from ._conditional import update_if
+from ._conditional import check_transformation, update_if
 from ._static import Method, config_key
 from ._tree import trainable
 
@@ -18,14 +18,7 @@ class _SkipWhen:
     """`inner` and the name of the flag; equal when built from equal ones."""
 
     def __init__(self, inner: optax.GradientTransformation, flag: str = "skip"):
-        if not (
-            callable(getattr(inner, "init", None))
-            and callable(getattr(inner, "update", None))
-        ):
-            raise TypeError(
-                "inner must be an optax.GradientTransformation, got "
-                f"{inner!r} of type {type(inner).__name__}."
-            )
+        check_transformation(inner, "inner")
         if not (isinstance(flag, str) and flag.isidentifier()):
             raise ValueError(f"flag must be a keyword argument name, got {flag!r}.")
         self.inner = optax.with_extra_args_support(inner)

@@ -162,6 +162,17 @@ def test_static_args_and_hyperparam_dtype_are_kept():
         optax_ext.inject_hyperparams(optax.adam, static_args=("b1", "not_an_arg"))
 
 
+def _three_sgd_updates(opt):
+    """The updates of three steps on a gradient of one: minus the learning rates."""
+    p = jnp.zeros(1)
+    state = opt.init(p)
+    outs = []
+    for _ in range(3):
+        u, state = opt.update(jnp.ones(1), state, p)
+        outs.append(float(u[0]))
+    return outs
+
+
 def test_stateful_schedule():
     class Halving(optax.schedules.StatefulSchedule):
         def init(self):
@@ -174,13 +185,7 @@ def test_stateful_schedule():
             return state
 
     opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=Halving())
-    p = jnp.zeros(1)
-    state = opt.init(p)
-    outs = []
-    for _ in range(3):
-        u, state = opt.update(jnp.ones(1), state, p)
-        outs.append(float(u[0]))
-    assert outs == [-1.0, -0.5, -0.25]
+    assert _three_sgd_updates(opt) == [-1.0, -0.5, -0.25]
 
 
 def _factory(
@@ -288,14 +293,8 @@ def test_callable_pytree_schedule_is_a_schedule():
             return self.peak / (1 + step)
 
     opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=Decay(1.0))
-    p = jnp.zeros(1)
-    state = opt.init(p)
-    outs = []
-    for _ in range(3):
-        u, state = opt.update(jnp.ones(1), state, p)
-        outs.append(float(u[0]))
-    np.testing.assert_allclose(outs, [-1.0, -0.5, -1 / 3], rtol=1e-6)
-    assert "learning_rate" in state.hyperparams
+    np.testing.assert_allclose(_three_sgd_updates(opt), [-1.0, -0.5, -1 / 3], rtol=1e-6)
+    assert "learning_rate" in opt.init(jnp.zeros(1)).hyperparams
 
 
 def test_static_args_through_kwargs():
