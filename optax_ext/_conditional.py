@@ -62,15 +62,15 @@ def conform_state(new: PyTree, old: PyTree) -> PyTree:
     if new_def != old_def:
         raise ValueError(
             "The inner optimizer returned a state with another tree structure "
-            f"than it was given: {new_def} instead of {old_def}. MultiSteps "
-            "needs an inner optimizer whose state keeps its structure."
+            f"than it was given: {new_def} instead of {old_def}; a state that is "
+            "kept on some steps must keep its structure."
         )
     check_same_shapes(
         old,
         new,
         expected_name="the inner state it was given",
         got_name="the inner optimizer's new state",
-        hint="MultiSteps cannot keep a state whose shapes change.",
+        hint="a state that is kept on some steps must keep its shapes.",
     )
     leaves = []
     for path_leaf, n, o in zip(

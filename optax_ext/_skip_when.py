@@ -72,10 +72,10 @@ def skip_when(
 
     Compared with `optax.transforms.conditionally_mask(inner, fn,
     forward_extra_args=True)`: its zeros take the dtype of the incoming
-    gradients, so an inner optimizer that returns another dtype (bfloat16
-    gradients, a float32 schedule) makes its `lax.cond` fail; the inner state
-    is not conformed (a weak-typed leaf becomes strong); the flag is also
-    forwarded to the inner optimizer; and it wraps the state in a new type.
+    gradients, so an inner optimizer that returns another dtype (float32
+    gradients for bfloat16 params) makes its `lax.cond` fail; the flag is
+    also forwarded to the inner optimizer; and it wraps the state in a new
+    type.
 
     **Arguments:**
 

@@ -21,22 +21,28 @@ from jax import lax
 PyTree = Any
 
 
-def _stop_leaf(pred: Any, x: Any) -> Any:
-    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)):
-        return x  # functions, integers, keys: no gradient to stop
+def _check_pred(pred: Any) -> jax.Array:
     pred = jnp.asarray(pred)
     if pred.dtype != jnp.bool_:
         raise TypeError(
             f"stop_gradient_where needs a bool predicate, got dtype {pred.dtype} "
             f"(shape {pred.shape}); compare first, e.g. `step < warmup`."
         )
+    return pred
+
+
+def _stop_leaf(pred: jax.Array, x: Any) -> Any:
+    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)):
+        return x  # functions, integers, keys: no gradient to stop
     try:
-        jnp.broadcast_shapes(pred.shape, x.shape)
+        fits = jnp.broadcast_shapes(pred.shape, x.shape) == x.shape
     except ValueError:
+        fits = False
+    if not fits:  # a larger predicate would change the leaf's shape
         raise ValueError(
             f"stop_gradient_where: a predicate of shape {pred.shape} does not "
-            f"broadcast against a leaf of shape {x.shape}."
-        ) from None
+            f"broadcast to a leaf of shape {x.shape}."
+        )
     # A select, not `pred * x`: the value passes through bit for bit (NaN and
     # inf too) and the cotangent is selected, never multiplied by zero.
     return jnp.where(pred, lax.stop_gradient(x), x)
@@ -74,6 +80,7 @@ def stop_gradient_where(pred: Any, tree: PyTree) -> PyTree:
             "bool, a bool array, or a pytree of them."
         )
     try:
+        pred = jax.tree.map(_check_pred, pred)
         return jax.tree.map(
             lambda p, sub: jax.tree.map(lambda x: _stop_leaf(p, x), sub), pred, tree
         )

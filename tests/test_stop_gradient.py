@@ -77,13 +77,17 @@ def test_equinox_model_leaves_pass_through():
         (1.0, TypeError),
         ({"a": True}, ValueError),  # not a prefix of X
         (jnp.ones(2, bool), ValueError),  # does not broadcast
+        (jnp.ones((2, 3), bool), ValueError),  # would change a leaf's shape
         ((), ValueError),
     ],
-    ids=["int", "float", "not-prefix", "shape", "empty"],
+    ids=["int", "float", "not-prefix", "shape", "larger", "empty"],
 )
 def test_bad_predicates(pred, error):
     with pytest.raises(error, match="stop_gradient_where"):
-        optax_ext.stop_gradient_where(pred, X)
+        optax_ext.stop_gradient_where(pred, {"a": jnp.ones(3), "b": X["b"]})
+    if error is TypeError:  # checked even where no leaf is floating
+        with pytest.raises(error, match="stop_gradient_where"):
+            optax_ext.stop_gradient_where(pred, jnp.arange(3))
 
 
 def test_nothing_leaks_outside_the_call():
