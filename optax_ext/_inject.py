@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from ._static import ConfigKey, Method, config_key
-from ._tree import as_weak, trainable
+from ._tree import as_weak, saturating_increment, trainable
 
 _STATIC, _NUMERIC, _SCHEDULE, _STATEFUL = "static", "numeric", "schedule", "stateful"
 
@@ -358,8 +358,7 @@ class _Injection:
         updates, inner_state = self._build(hyperparams).update(
             updates, state.inner_state, params, **extra_args
         )
-        count = jnp.asarray(state.count)
-        count = jnp.where(count < jnp.iinfo(count.dtype).max, count + 1, count)
+        count = saturating_increment(state.count)
         return updates, optax.InjectStatefulHyperparamsState(
             count=count.astype(jnp.int32),
             hyperparams=hyperparams,

@@ -63,10 +63,14 @@ import optax
 
 from ._conditional import check_transformation, update_if
 from ._static import Method, config_key
-from ._tree import check_same_shapes, check_same_structure, trainable
+from ._tree import (
+    check_same_shapes,
+    check_same_structure,
+    saturating_increment,
+    trainable,
+)
 
 PyTree = Any
-_INT32_MAX = jnp.iinfo(jnp.int32).max
 
 
 def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
@@ -133,10 +137,6 @@ def _check_skip_output(out: Any, fn: Callable) -> tuple[jax.Array, PyTree]:
             "Reduce it to one decision, e.g. with `jnp.any(...)`."
         )
     return should_skip, skip_state
-
-
-def _saturating_increment(x: jax.Array) -> jax.Array:
-    return jnp.where(x < _INT32_MAX, x + 1, x).astype(x.dtype)
 
 
 class MultiSteps:
@@ -348,7 +348,7 @@ class MultiSteps:
                 emit, 0, jnp.where(should_skip, mini_step, mini_step + 1)
             ).astype(mini_step.dtype),
             gradient_step=jnp.where(
-                emit, _saturating_increment(gradient_step), gradient_step
+                emit, saturating_increment(gradient_step), gradient_step
             ),
             inner_opt_state=inner_state,
             acc_grads=acc_grads,

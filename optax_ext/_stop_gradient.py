@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -32,7 +33,7 @@ def _check_pred(pred: Any) -> jax.Array:
 
 
 def _stop_leaf(pred: jax.Array, x: Any) -> Any:
-    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)):
+    if not eqx.is_inexact_array(x):
         return x  # functions, integers, keys: no gradient to stop
     try:
         fits = jnp.broadcast_shapes(pred.shape, x.shape) == x.shape

@@ -108,6 +108,12 @@ def check_same_shapes(
             )
 
 
+def saturating_increment(x: jax.Array) -> jax.Array:
+    """`x + 1`, staying at the dtype's maximum instead of wrapping around."""
+    x = jnp.asarray(x)
+    return jnp.where(x < jnp.iinfo(x.dtype).max, x + 1, x).astype(x.dtype)
+
+
 def is_weak(x: Any) -> bool:
     return bool(getattr(x, "weak_type", False))
 
