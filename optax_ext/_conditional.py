@@ -6,9 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
+from ._sharding import zeros_like_struct
 from ._tree import cast_like, check_same_shapes
 
 PyTree = Any
@@ -48,7 +48,7 @@ def update_if(
 
     def skip(grads, inner_state):
         del grads
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shapes)
+        zeros = jax.tree.map(zeros_like_struct, out_shapes)
         return zeros, inner_state
 
     return lax.cond(pred, run, skip, grads, inner_state)

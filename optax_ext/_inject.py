@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._sharding import mirror_param_sharding
 from ._static import ConfigKey, Method, config_key
 from ._tree import as_weak, saturating_increment, trainable
 
@@ -336,7 +337,9 @@ class _Injection:
             count=jnp.zeros((), jnp.int32),
             hyperparams=hyperparams,
             hyperparams_states=schedule_states,
-            inner_state=self._build(hyperparams).init(params),
+            inner_state=mirror_param_sharding(
+                self._build(hyperparams).init(params), params
+            ),
         )
 
     def update(

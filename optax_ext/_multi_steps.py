@@ -54,14 +54,16 @@ all contracts hold; only the saving is lost.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from ._conditional import check_transformation, update_if
+from ._sharding import mirror_param_sharding, varying_axes
 from ._static import Method, config_key
 from ._tree import (
     check_same_shapes,
@@ -139,6 +141,51 @@ def _check_skip_output(out: Any, fn: Callable) -> tuple[jax.Array, PyTree]:
     return should_skip, skip_state
 
 
+def _add_device_axis(tree: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tree)
+
+
+def _drop_device_axis(acc_grads: PyTree, axis_name: Any) -> PyTree:
+    def drop(path, x):
+        if jnp.ndim(x) == 0 or jnp.shape(x)[0] != 1:
+            raise ValueError(
+                f"MultiSteps(axis_name={axis_name!r}) expects this device's "
+                "accumulator, with a leading axis of length 1, at "
+                f"acc_grads{jax.tree_util.keystr(path)}; got shape {jnp.shape(x)}. "
+                "Build the state with `opt.init` inside `jax.shard_map` and pass "
+                "`opt.state_specs()` as the state's in_specs and out_specs."
+            )
+        return x[0]
+
+    return jax.tree_util.tree_map_with_path(drop, acc_grads)
+
+
+def _check_local_gradients(updates: PyTree, acc: PyTree, axis_name: Any) -> None:
+    """Under `shard_map`'s type checks, raises if the gradients are the same
+    on every device while the accumulator is not: `jax.grad` with respect to
+    replicated params has then already summed them over the devices, and
+    averaging them again would be silently wrong."""
+    for (path, g), a in zip(
+        jax.tree_util.tree_flatten_with_path(updates)[0],
+        jax.tree.leaves(acc),
+        strict=True,
+    ):
+        g_axes, a_axes = varying_axes(g), varying_axes(a)
+        if g_axes is None or a_axes is None:
+            return
+        if axis_name in a_axes and axis_name not in g_axes:
+            raise ValueError(
+                f"MultiSteps(axis_name={axis_name!r}) accumulates each device's "
+                "own gradients and averages them once per window, but the "
+                f"gradients at {jax.tree_util.keystr(path) or 'the root'} are "
+                f"the same on every device along {axis_name!r}: under "
+                "`jax.shard_map`, `jax.grad` with respect to replicated params "
+                "sums the gradients over the devices already. Take the gradient "
+                f"with respect to `jax.lax.pcast(params, {axis_name!r}, "
+                "to='varying')` to get this device's gradients."
+            )
+
+
 class MultiSteps:
     """Accumulates gradients over several mini-steps, then applies `opt` once.
 
@@ -211,6 +258,7 @@ class MultiSteps:
         use_grad_mean: bool = True,
         should_skip_update_fn: Callable[..., tuple[jax.Array, PyTree]] | None = None,
         accumulator_dtype: Any = jnp.float32,
+        axis_name: Hashable | None = None,
     ):
         check_transformation(opt, "opt")
         if should_skip_update_fn is not None and not callable(should_skip_update_fn):
@@ -232,7 +280,9 @@ class MultiSteps:
             self._use_grad_mean,
             should_skip_update_fn,
             self._accumulator_dtype,
+            axis_name,
         )
+        self._axis_name = axis_name
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, MultiSteps) and self._key == other._key
@@ -261,8 +311,15 @@ class MultiSteps:
         return _check_skip_output(fn(updates, gradient_step, params), fn)
 
     def init(self, params: PyTree) -> optax.MultiStepsState:
-        """Builds the initial `optax.MultiStepsState` for `params`."""
+        """Builds the initial `optax.MultiStepsState` for `params`.
+
+        With `axis_name`, call it where that axis is bound (inside
+        `jax.shard_map`): `acc_grads` and `skip_state` then hold this
+        device's own values, with a leading axis of length 1 (see
+        `state_specs`).
+        """
         params = trainable(params)
+        per_device = self._per_device_view("init")
         acc_grads = jax.tree.map(
             lambda p: jnp.zeros(jnp.shape(p), self._acc_dtype(jnp.result_type(p))),
             params,
@@ -271,13 +328,62 @@ class MultiSteps:
         _, skip_state = self._should_skip(
             jax.tree.map(jnp.zeros_like, params), gradient_step, params
         )
-        return optax.MultiStepsState(
+        state = optax.MultiStepsState(
             mini_step=jnp.zeros((), jnp.int32),
             gradient_step=gradient_step,
             inner_opt_state=self._opt.init(params),
             acc_grads=acc_grads,
             skip_state=skip_state,
         )
+        state = mirror_param_sharding(state, params)
+        if per_device:
+            state = state._replace(
+                acc_grads=_add_device_axis(state.acc_grads),
+                skip_state=_add_device_axis(state.skip_state),
+            )
+        return state
+
+    def state_specs(self) -> optax.MultiStepsState:
+        """`jax.sharding.PartitionSpec`s of the state, for `jax.shard_map`'s
+        `in_specs` and `out_specs` (a prefix of the state's tree).
+
+        Without `axis_name` every part is `P()`. With it, `acc_grads` and
+        `skip_state` are `P(axis_name)`: outside `shard_map` each of their
+        leaves has a leading axis with one entry per device, since every
+        device accumulates its own gradients; the counters and the inner
+        state are the same on every device, `P()`.
+        """
+        replicated = jax.sharding.PartitionSpec()
+        per_device = (
+            replicated
+            if self._axis_name is None
+            else jax.sharding.PartitionSpec(self._axis_name)
+        )
+        return optax.MultiStepsState(
+            mini_step=replicated,
+            gradient_step=replicated,
+            inner_opt_state=replicated,
+            acc_grads=per_device,
+            skip_state=per_device,
+        )
+
+    def _per_device_view(self, method: str) -> bool:
+        """Whether the state holds per-device accumulators; checks that
+        `axis_name` is bound where `method` runs."""
+        if self._axis_name is None:
+            return False
+        try:
+            lax.axis_size(self._axis_name)
+        except NameError as e:
+            raise NameError(
+                f"MultiSteps(axis_name={self._axis_name!r}).{method} must run "
+                f"where the mesh axis {self._axis_name!r} is bound, inside "
+                "`jax.shard_map` (or `jax.vmap`/`jax.pmap` with that axis_name), "
+                "with the state's `acc_grads` and `skip_state` split over it: "
+                "pass `opt.state_specs()` as their in_specs and out_specs. "
+                f"({e})"
+            ) from None
+        return True
 
     def update(
         self,
@@ -288,25 +394,36 @@ class MultiSteps:
     ) -> tuple[PyTree, optax.MultiStepsState]:
         """Accumulates `updates`; returns the inner optimizer's updates on the
         last mini-step of a window and zeros otherwise."""
+        per_device = self._per_device_view("update")
+        acc_in = state.acc_grads
+        if per_device:
+            acc_in = _drop_device_axis(acc_in, self._axis_name)
         check_same_structure(
-            state.acc_grads,
+            acc_in,
             updates,
             expected_name="the accumulated gradients in the state",
             got_name="the updates",
         )
         check_same_shapes(
-            state.acc_grads,
+            acc_in,
             updates,
             expected_name="the accumulated gradients",
             got_name="the updates",
             hint="the gradients must have the shapes of the params.",
         )
+        if per_device:
+            _check_local_gradients(updates, acc_in, self._axis_name)
         if params is not None:
             params = trainable(params)
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
         k = _check_k(self._every_k_schedule(gradient_step))
         should_skip, skip_state = self._should_skip(updates, gradient_step, params)
+        if per_device and self._should_skip_update_fn is not None:
+            # Every device must take the same decision, or their windows
+            # drift apart: one scalar all-reduce per mini-step.
+            votes = lax.psum(should_skip.astype(jnp.int32), self._axis_name)
+            should_skip = votes > 0
 
         def accumulate(g: jax.Array, acc: jax.Array) -> jax.Array:
             g = g.astype(acc.dtype)
@@ -322,11 +439,15 @@ class MultiSteps:
                 return new
             return jnp.where(should_skip, acc, new)
 
-        acc_grads = jax.tree.map(accumulate, updates, state.acc_grads)
+        acc_grads = jax.tree.map(accumulate, updates, acc_in)
         emit = jnp.logical_and(jnp.logical_not(should_skip), mini_step + 1 >= k)
         update_dtypes = jax.tree.map(lambda g: jnp.result_type(g), updates)
 
         def inner_update(acc_grads, inner_state):
+            if per_device:
+                # The only collective of a window: this device's mean (or sum)
+                # averaged over the devices, in the accumulator's dtype.
+                acc_grads = lax.pmean(acc_grads, self._axis_name)
             grads = jax.tree.map(
                 lambda acc, dt: acc.astype(dt), acc_grads, update_dtypes
             )
@@ -343,6 +464,9 @@ class MultiSteps:
             emit, inner_update, acc_grads, state.inner_opt_state
         )
         acc_grads = jax.tree.map(lambda acc: jnp.where(emit, 0, acc), acc_grads)
+        if per_device:
+            acc_grads = _add_device_axis(acc_grads)
+            skip_state = _add_device_axis(skip_state)
         new_state = optax.MultiStepsState(
             mini_step=jnp.where(
                 emit, 0, jnp.where(should_skip, mini_step, mini_step + 1)

@@ -1,0 +1,123 @@
+"""State leaves that mirror a param get that param's sharding.
+
+An optimizer's `init` builds its moments with `jnp.zeros_like(param)` (or, as
+`MultiSteps` needs for its accumulator, `jnp.zeros(shape, dtype)`). Under
+`jax.jit` those zeros carry no sharding of their own:
+
+- with `Explicit` mesh axes (the default of `jax.make_mesh` since jax 0.7)
+  the sharding is part of the type: `zeros_like` keeps it, `zeros(shape)`
+  gives a replicated array;
+- with `Auto` axes, or sharded arrays and no mesh set, the sharding of a
+  traced param is unknown while tracing, and XLA replicates a constant that
+  depends on no input: `jax.jit(optax.adam(1e-3).init)` returns replicated
+  moments for sharded params, one full copy per device.
+
+`mirror_param_sharding` fixes both without asking the user for shardings.
+With the sharding in the type it calls `jax.sharding.reshard`. Without it,
+it adds to the leaf an exact zero computed elementwise from the param; XLA's
+sharding propagation then gives the leaf the param's layout, as it would an
+elementwise function of the param. This runs once, in `init`, and only when
+the process has several devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from ._tree import cast_like
+
+PyTree = Any
+
+
+def _is_hole(x: Any) -> bool:
+    """A place in a tree where a param leaf may be missing in a state."""
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
+def _typed_sharding(x: Any) -> Any:
+    """The sharding that is part of `x`'s type, or None if it shards nothing."""
+    try:
+        sharding = jax.typeof(x).sharding
+    except (AttributeError, TypeError):
+        return None
+    spec = getattr(sharding, "spec", None)
+    if spec is None or all(axis is None for axis in spec):
+        return None
+    return sharding
+
+
+def _exact_zero_like(param: jax.Array, dtype: Any) -> jax.Array:
+    """Zeros of `dtype` with `param`'s shape, computed elementwise from `param`.
+
+    `param != param` is a bool; converted and multiplied by zero it is `+0`
+    for every entry (no NaN from `nan * 0`, no `-0` from a negative param).
+    XLA does not fold a floating-point multiply by zero, so the dependence
+    on the param survives until sharding propagation.
+    """
+    float_dtype = param.dtype if jnp.issubdtype(param.dtype, jnp.floating) else None
+    flag = (param != param).astype(float_dtype or jnp.float32)
+    return (flag * 0).astype(dtype)
+
+
+def _mirror_leaf(leaf: Any, param: Any) -> Any:
+    if not (isinstance(leaf, jax.Array) and isinstance(param, jax.Array)):
+        return leaf
+    if leaf.shape != param.shape or not jnp.issubdtype(leaf.dtype, jnp.number):
+        return leaf  # factored moments, counts, bools and keys keep theirs
+    typed = _typed_sharding(param)
+    if typed is not None:
+        return jax.sharding.reshard(leaf, typed)
+    if not isinstance(param, jax.core.Tracer):
+        if isinstance(leaf, jax.core.Tracer) or leaf.sharding == param.sharding:
+            return leaf
+        return jax.device_put(leaf, param.sharding)
+    if jax.device_count() == 1:
+        return leaf
+    return cast_like(lax.add(leaf, _exact_zero_like(param, leaf.dtype)), leaf)
+
+
+def mirror_param_sharding(state: PyTree, params: PyTree) -> PyTree:
+    """Gives every subtree of `state` that has the structure of `params` (a
+    `None` or `optax.MaskedNode` standing for a missing leaf) the params'
+    shardings, leaf by leaf, where a state leaf has its param's shape."""
+    skeleton = jax.tree.structure(params, is_leaf=_is_hole)
+    if skeleton.num_leaves == 0:
+        return state
+    param_leaves = jax.tree.leaves(params, is_leaf=_is_hole)
+
+    def mirrors(node: Any) -> bool:
+        return jax.tree.structure(node, is_leaf=_is_hole) == skeleton
+
+    def fix(node: Any) -> Any:
+        if not mirrors(node):
+            return node
+        leaves = jax.tree.leaves(node, is_leaf=_is_hole)
+        fixed = [_mirror_leaf(s, p) for s, p in zip(leaves, param_leaves, strict=True)]
+        return jax.tree.unflatten(skeleton, fixed)
+
+    return jax.tree.map(fix, state, is_leaf=mirrors)
+
+
+def zeros_like_struct(struct: Any) -> jax.Array:
+    """Zeros with the shape, dtype and, where it is part of the type
+    (`Explicit` mesh axes), the sharding of a `jax.ShapeDtypeStruct`."""
+    sharding = getattr(struct, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is not None and any(axis is not None for axis in spec):
+        return jnp.zeros(struct.shape, struct.dtype, out_sharding=sharding)
+    return jnp.zeros(struct.shape, struct.dtype)
+
+
+def varying_axes(x: Any) -> frozenset | None:
+    """The mesh axes along which `x` may differ between devices inside
+    `jax.shard_map` (its type's `vma`); None where the type does not say."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # jax < 0.9
+    if vma is None:  # jax >= 0.9
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return None if vma is None else frozenset(vma)

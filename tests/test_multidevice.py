@@ -1,0 +1,486 @@
+"""Sharded state and communication-deferred accumulation on 8 CPU devices.
+
+These tests need `XLA_FLAGS=--xla_force_host_platform_device_count=8` set
+before JAX starts, so they run in a process of their own:
+`test_multidevice_runner.py` starts it from the main test run, or run them
+directly with that flag and `pytest -m multidevice`.
+"""
+
+import contextlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_ext
+
+pytestmark = pytest.mark.multidevice
+
+LAYOUTS = {  # name: (shape, spec on a ("x", "y") = (2, 4) mesh)
+    "rows": ((16, 8), P("x")),
+    "both": ((16, 8), P("x", "y")),
+    "cols": ((6, 8), P(None, "y")),
+    "vector": ((5,), P()),
+    "scalar": ((), P()),
+}
+
+
+def _mesh(mode):
+    return jax.make_mesh((2, 4), ("x", "y"), axis_types=(getattr(AxisType, mode),) * 2)
+
+
+def _sharded_params(mesh, dtype=jnp.float32):
+    return {
+        name: jax.device_put(
+            jnp.linspace(-1, 1, int(np.prod(shape))).reshape(shape).astype(dtype),
+            NamedSharding(mesh, spec),
+        )
+        for name, (shape, spec) in LAYOUTS.items()
+    }
+
+
+def _mask(params):
+    return {name: jnp.ndim(p) > 1 for name, p in params.items()}
+
+
+TRANSFORMS = {
+    "multi_steps": lambda: optax_ext.MultiSteps(optax.adam(1e-3), 4),
+    "multi_steps_bf16_mu": lambda: optax_ext.MultiSteps(
+        optax.adam(1e-3, mu_dtype=jnp.bfloat16), 4
+    ),
+    "inject": lambda: optax_ext.inject_hyperparams(optax.adamw)(
+        learning_rate=optax.linear_schedule(1e-3, 0.0, 100), mask=_mask
+    ),
+    "zero_nans": optax_ext.zero_nans,
+    "composed": lambda: optax_ext.MultiSteps(
+        optax.chain(
+            optax_ext.zero_nans(),
+            optax_ext.inject_hyperparams(optax.adamw)(learning_rate=1e-3, mask=_mask),
+        ),
+        3,
+    ),
+    "optax": lambda: optax.MultiSteps(optax.adam(1e-3), 4),
+}
+
+
+def _mirror_leaves(state, params):
+    """(path, leaf, param) for each state leaf that sits under a param's name
+    and has its shape; and every scalar leaf."""
+    mirrored, scalars = [], []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name = jax.tree_util.keystr(path)
+        if leaf.ndim == 0:
+            scalars.append((name, leaf))
+        match = re.search(r"\['(\w+)'\]$", name)
+        if match and match.group(1) in params:
+            param = params[match.group(1)]
+            if leaf.shape == param.shape and leaf.ndim > 0:
+                mirrored.append((name, leaf, param))
+    return mirrored, scalars
+
+
+@pytest.mark.parametrize("mode", ["Explicit", "Auto", "no_mesh"])
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_jitted_init_mirrors_param_shardings(name, mode, request):
+    """Every state leaf that mirrors a param has the param's sharding, every
+    scalar is replicated. optax.MultiSteps gets this only where the sharding
+    is part of the type (Explicit axes); elsewhere it replicates the moments
+    and the accumulator on every device (xfail)."""
+    if name == "optax" and mode != "Explicit":
+        request.applymarker(pytest.mark.xfail(strict=True, reason="replicated"))
+    mesh = _mesh("Auto" if mode == "no_mesh" else mode)
+    params = _sharded_params(mesh)
+    tx = TRANSFORMS[name]()
+    context = contextlib.nullcontext() if mode == "no_mesh" else jax.set_mesh(mesh)
+    with context:
+        state = jax.jit(tx.init)(params)
+    mirrored, scalars = _mirror_leaves(state, params)
+    if name != "zero_nans":
+        assert mirrored, "the test found no state leaf mirroring a param"
+    for path, leaf, param in mirrored:
+        assert leaf.sharding.is_equivalent_to(param.sharding, leaf.ndim), (
+            path,
+            leaf.sharding,
+            param.sharding,
+        )
+    for path, leaf in scalars:
+        assert leaf.sharding.is_fully_replicated, (path, leaf.sharding)
+
+
+def test_mirroring_keeps_values_dtypes_and_weak_types():
+    """Mirroring changes layouts only: the state from a sharded jitted init
+    equals the init of the same params on one device, leaf for leaf (values,
+    dtypes, weak types), and the moments and accumulators are +0 even where
+    a param is infinite."""
+    mesh = _mesh("Auto")
+    params = _sharded_params(mesh, jnp.bfloat16)
+    params["rows"] = params["rows"].at[0, 0].set(-jnp.inf)
+    tx = TRANSFORMS["composed"]()
+    with jax.set_mesh(mesh):
+        sharded = jax.jit(tx.init)(params)
+    one_device = jax.device_put(params, jax.devices()[0])
+    reference = jax.jit(tx.init)(one_device)
+    for (path, a), b in zip(
+        jax.tree_util.tree_flatten_with_path(sharded)[0],
+        jax.tree.leaves(reference),
+        strict=True,
+    ):
+        assert (a.dtype, a.weak_type) == (b.dtype, b.weak_type), path
+        np.testing.assert_array_equal(
+            np.asarray(a, np.float32), np.asarray(b, np.float32), str(path)
+        )
+    mirrored, _ = _mirror_leaves(sharded, params)
+    for path, leaf, _ in mirrored:
+        values = np.asarray(leaf, np.float32)
+        assert (values == 0).all() and not np.signbit(values).any(), path
+
+
+def _collectives(hlo, ops=("all-gather", "all-to-all", "collective-permute")):
+    return {op: len(re.findall(rf" {op}(?:-start)?\(", hlo)) for op in ops}
+
+
+INNERS = {
+    "adam": lambda: optax.adam(1e-3),
+    "adafactor": lambda: optax.adafactor(1e-3),
+    "lion": lambda: optax.lion(1e-4),
+}
+
+
+@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("wrapper", ["multi_steps", "inject", "composed"])
+@pytest.mark.parametrize("mode", ["Explicit", "Auto"])
+def test_donated_update_adds_no_resharding(inner, wrapper, mode):
+    """A jitted, donated update with in and out shardings equal has no
+    all-gather, all-to-all or collective-permute beyond the plain inner
+    optimizer's, and its state keeps the shardings."""
+    mesh = _mesh(mode)
+    params = _sharded_params(mesh)
+    tx = {
+        "multi_steps": lambda: optax_ext.MultiSteps(INNERS[inner](), 2),
+        "inject": lambda: optax_ext.inject_hyperparams(
+            lambda learning_rate: optax.chain(
+                INNERS[inner](), optax.scale(learning_rate)
+            )
+        )(learning_rate=optax.cosine_decay_schedule(1.0, 10)),
+        "composed": lambda: optax_ext.MultiSteps(
+            optax.chain(optax_ext.zero_nans(), INNERS[inner]()), 2
+        ),
+    }[wrapper]()
+
+    def compiled_update(tx):
+        with jax.set_mesh(mesh):
+            state = jax.jit(tx.init)(params)
+            grads = jax.tree.map(jnp.ones_like, params)
+            shard = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+            fn = jax.jit(
+                lambda g, s, p: tx.update(g, s, p),
+                in_shardings=(shard(grads), shard(state), shard(params)),
+                out_shardings=(shard(grads), shard(state)),
+                donate_argnums=(0, 1),
+            )
+            return fn.lower(grads, state, params).compile(), state
+
+    ours, state = compiled_update(tx)
+    plain, _ = compiled_update(INNERS[inner]())
+    mine, theirs = _collectives(ours.as_text()), _collectives(plain.as_text())
+    for op in mine:
+        assert mine[op] <= theirs[op], (op, mine, theirs)
+    mirrored, _ = _mirror_leaves(state, params)
+    assert mirrored
+    for path, leaf, param in mirrored:
+        assert leaf.sharding.is_equivalent_to(param.sharding, leaf.ndim), path
+
+
+# --- communication-deferred accumulation --------------------------------------
+
+N_DEVICES = 8
+K = 3
+
+
+def _data_mesh():
+    return jax.make_mesh((N_DEVICES,), ("data",))
+
+
+def _loss(params, x, y):
+    pred = jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"]
+    return jnp.mean((pred - y) ** 2)
+
+
+def _problem(n_steps, local_batch=2, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    params = {
+        "w1": jax.random.normal(keys[0], (3, 5)) * 0.5,
+        "b1": jnp.zeros((5,)),
+        "w2": jax.random.normal(keys[1], (5, 2)) * 0.5,
+    }
+    xs = jax.random.normal(keys[2], (n_steps, N_DEVICES * local_batch, 3))
+    ys = jax.random.normal(keys[3], (n_steps, N_DEVICES * local_batch, 2))
+    return params, xs, ys
+
+
+def _varying(tree):
+    """`tree` typed as differing between devices along "data", so that
+    `jax.grad` gives each device's own gradient."""
+    if hasattr(lax, "pcast"):  # jax >= 0.8
+        return lax.pcast(tree, "data", to="varying")
+    return lax.pvary(tree, "data")
+
+
+def _local_grads(params, x, y):
+    return jax.grad(_loss)(_varying(params), x, y)
+
+
+def _train_deferred(opt, params, xs, ys):
+    mesh = _data_mesh()
+    specs = opt.state_specs()
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        state = jax.jit(
+            jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs)
+        )(params)
+
+        @jax.jit
+        @jax.shard_map(
+            mesh=mesh,
+            in_specs=(P(), specs, P("data"), P("data")),
+            out_specs=(P(), specs),
+        )
+        def step(params, state, x, y):
+            updates, state = opt.update(_local_grads(params, x, y), state, params)
+            return optax.apply_updates(params, updates), state
+
+        batch = NamedSharding(mesh, P("data"))
+        for x, y in zip(xs, ys, strict=True):
+            params, state = step(
+                params, state, jax.device_put(x, batch), jax.device_put(y, batch)
+            )
+    return jax.device_get(params), state, step
+
+
+def _reference(inner, params, xs, ys, *, skip_not_finite=False, mean=True):
+    """Plain optax on one device: the gradient of each concatenated batch,
+    windows of K accepted mini-steps averaged (or summed) by hand."""
+    state = inner.init(params)
+    window = []
+    for x, y in zip(xs, ys, strict=True):
+        g = jax.grad(_loss)(params, x, y)
+        finite = all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(g))
+        if skip_not_finite and not finite:
+            continue
+        window.append(g)
+        if len(window) == K:
+            total = jax.tree.map(lambda *gs: sum(gs[1:], gs[0]), *window)
+            g = jax.tree.map(lambda v: v / K, total) if mean else total
+            updates, state = inner.update(g, state, params)
+            params = optax.apply_updates(params, updates)
+            window = []
+    return params
+
+
+def _assert_close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("mean", [True, False])
+def test_deferred_accumulation_equals_one_device_on_the_whole_batch(mean):
+    params, xs, ys = _problem(2 * K + 1)
+    opt = optax_ext.MultiSteps(
+        optax.adam(1e-2), K, use_grad_mean=mean, axis_name="data"
+    )
+    got, state, _ = _train_deferred(opt, params, xs, ys)
+    _assert_close(got, _reference(optax.adam(1e-2), params, xs, ys, mean=mean))
+    assert int(state.gradient_step) == 2 and int(state.mini_step) == 1
+    # Each device's accumulator holds the mean of its own shard of the batch.
+    own = [
+        jax.grad(_loss)(got, xs[-1][2 * d : 2 * d + 2], ys[-1][2 * d : 2 * d + 2])
+        for d in range(N_DEVICES)
+    ]
+    for name in params:
+        np.testing.assert_allclose(
+            np.asarray(state.acc_grads[name]),
+            np.stack([g[name] for g in own]),
+            rtol=1e-5,
+            atol=1e-7,
+        )
+
+
+def test_zero_nans_inside_deferred_accumulation():
+    """A NaN in one device's input: zero_nans, placed inside MultiSteps, runs
+    on the averaged gradient, as on one device with the whole batch."""
+    params, xs, ys = _problem(2 * K)
+    xs = xs.at[1, 5, 0].set(jnp.nan)  # device 2's shard, second mini-step
+    inner = optax.chain(optax_ext.zero_nans(), optax.adam(1e-2))
+    got, _, _ = _train_deferred(
+        optax_ext.MultiSteps(inner, K, axis_name="data"), params, xs, ys
+    )
+    want = _reference(optax.chain(optax.zero_nans(), optax.adam(1e-2)), params, xs, ys)
+    assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(got))
+    _assert_close(got, want)
+
+
+def test_skip_not_finite_is_one_decision_for_all_devices():
+    """An inf on one device drops that mini-step on every device, as one
+    device with the whole batch drops it; the windows stay aligned."""
+    params, xs, ys = _problem(2 * K + 1)
+    xs = xs.at[2, 13, 1].set(jnp.inf)  # only device 6 sees it
+    opt = optax_ext.MultiSteps(
+        optax.adam(1e-2),
+        K,
+        should_skip_update_fn=optax.skip_not_finite,
+        axis_name="data",
+    )
+    got, state, _ = _train_deferred(opt, params, xs, ys)
+    want = _reference(optax.adam(1e-2), params, xs, ys, skip_not_finite=True)
+    _assert_close(got, want)
+    assert int(state.gradient_step) == 2 and int(state.mini_step) == 0
+    # skip_state is each device's own: the device that saw the inf counted it.
+    counts = np.asarray(state.skip_state["num_not_finite"])
+    assert counts.shape == (N_DEVICES,)
+
+
+def _branches(hlo):
+    """(ENTRY and its callees apart from the conditional's branches, the
+    emitting branch, the non-emitting branch) as HLO text."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+        if header:
+            name = "ENTRY" if line.startswith("ENTRY") else header.group(1)
+            comps[name] = []
+        elif name:
+            comps[name].append(line)
+    conds = [line for line in comps["ENTRY"] if " conditional(" in line]
+    (cond,) = conds
+    branches = r"branch_computations=\{%([^,}]+), %([^,}]+)\}"
+    no_emit, emit = re.search(branches, cond).groups()
+    return "\n".join(comps["ENTRY"]), "\n".join(comps[emit]), "\n".join(comps[no_emit])
+
+
+def _all_reduces(text):
+    return re.findall(r"= (\([^)]*\)|\S+) all-reduce(?:-start)?\(", text)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_mini_step_has_no_collective_and_emit_reduces_once(skip):
+    params, xs, ys = _problem(1)
+    opt = optax_ext.MultiSteps(
+        optax.adam(1e-2),
+        K,
+        should_skip_update_fn=optax.skip_not_finite if skip else None,
+        axis_name="data",
+    )
+    _, state, step = _train_deferred(opt, params, xs, ys)
+    mesh = _data_mesh()
+    with jax.set_mesh(mesh):
+        batch = NamedSharding(mesh, P("data"))
+        hlo = (
+            step.lower(
+                jax.device_put(params, NamedSharding(mesh, P())),
+                state,
+                jax.device_put(xs[0], batch),
+                jax.device_put(ys[0], batch),
+            )
+            .compile()
+            .as_text()
+        )
+    entry, emit, no_emit = _branches(hlo)
+    assert _all_reduces(no_emit) == []
+    # The skip decision is one scalar; without a skip function, nothing.
+    assert _all_reduces(entry) == (["s32[]"] if skip else [])
+    # One all-reduce, of every params-shaped leaf at once, in f32.
+    (reduced,) = _all_reduces(emit)
+    assert sorted(re.findall(r"f32\[[\d,]*\]", reduced)) == sorted(
+        f"f32[{','.join(map(str, p.shape))}]" for p in params.values()
+    )
+
+
+def test_optax_multisteps_needs_a_reduction_every_mini_step():
+    """The contrast: optax.MultiSteps sees already-reduced gradients, so
+    every mini-step all-reduces every gradient leaf."""
+    params, xs, ys = _problem(1)
+    mesh = _data_mesh()
+    opt = optax.MultiSteps(optax.adam(1e-2), K)
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        state = jax.jit(opt.init)(params)
+
+        @jax.jit
+        @jax.shard_map(
+            mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=(P(), P())
+        )
+        def step(params, state, x, y):
+            grads = lax.pmean(_local_grads(params, x, y), "data")
+            updates, state = opt.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        batch = NamedSharding(mesh, P("data"))
+        hlo = (
+            step.lower(
+                params,
+                state,
+                jax.device_put(xs[0], batch),
+                jax.device_put(ys[0], batch),
+            )
+            .compile()
+            .as_text()
+        )
+    assert len(_all_reduces(hlo)) >= 1
+    assert " conditional(" not in hlo or len(_all_reduces(_branches(hlo)[0])) >= 1
+
+
+def test_replicated_gradients_are_rejected():
+    """jax.grad with respect to replicated params inside shard_map already
+    sums over the devices; averaging that again would be silently wrong."""
+    params, xs, ys = _problem(1)
+    mesh = _data_mesh()
+    opt = optax_ext.MultiSteps(optax.adam(1e-2), K, axis_name="data")
+    specs = opt.state_specs()
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        state = jax.jit(
+            jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs)
+        )(params)
+
+        @jax.shard_map(
+            mesh=mesh, in_specs=(P(), specs, P("data"), P("data")), out_specs=specs
+        )
+        def step(params, state, x, y):
+            return opt.update(jax.grad(_loss)(params, x, y), state, params)[1]
+
+        batch = NamedSharding(mesh, P("data"))
+        with pytest.raises(ValueError, match=r"pcast\(params, 'data'"):
+            jax.jit(step)(
+                params,
+                state,
+                jax.device_put(xs[0], batch),
+                jax.device_put(ys[0], batch),
+            )
+
+
+def test_axis_name_outside_its_axis_is_rejected():
+    params, _, _ = _problem(1)
+    opt = optax_ext.MultiSteps(optax.adam(1e-2), K, axis_name="data")
+    with pytest.raises(NameError, match="inside `jax.shard_map`"):
+        opt.init(params)
+    state = jax.vmap(opt.init, axis_name="data", axis_size=2, in_axes=None)(params)
+    with pytest.raises(NameError, match="state_specs"):
+        opt.update(params, state, params)
+
+
+def test_state_without_the_device_axis_is_rejected():
+    params, _, _ = _problem(1)
+    opt = optax_ext.MultiSteps(optax.adam(1e-2), K, axis_name="data")
+    plain = optax_ext.MultiSteps(optax.adam(1e-2), K).init(params)
+
+    def update(state):
+        return opt.update(params, state, params)
+
+    with pytest.raises(ValueError, match=r"leading axis of length 1.*\['b1'\]"):
+        jax.vmap(update, axis_name="data", axis_size=2, in_axes=None)(plain)
