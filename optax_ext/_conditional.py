@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex_core
 
 from ._sharding import zeros_like_struct
 from ._tree import cast_like, check_same_shapes
@@ -31,27 +34,156 @@ def update_if(
     inner_update: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
     grads: PyTree,
     inner_state: PyTree,
-) -> tuple[PyTree, PyTree]:
+) -> tuple[PyTree, PyTree, jax.Array]:
     """`inner_update(grads, inner_state)` where `pred`, else zero updates and
-    `inner_state` as it came in.
+    `inner_state` as it came in; also returns whether the inner update ran.
 
     The zeros have the dtypes of the inner optimizer's updates (not of
     `grads`), and the new state is conformed to the old one's avals, so both
     branches of the `cond` agree exactly and the caller's state never changes
     type. Under `vmap` with a batched `pred` the `cond` becomes a select.
-    """
-    out_shapes, _ = jax.eval_shape(inner_update, grads, inner_state)
 
-    def run(grads, inner_state):
+    The third output is `pred` as the `cond` returns it (`True` from the
+    running branch, `False` from the other). Work that must follow the `cond`,
+    such as resetting a buffer the running branch reads, should select on it
+    rather than on `pred`: only a value computed by the `cond` orders that
+    work after it, which lets XLA update the buffer in place.
+
+    In the running branch, a state leaf whose old value the updates read
+    directly (not through its new value: Lion's `mu`, read for
+    `sign(b1 * mu + ...)` and for the new `mu`) is given a data dependency on
+    those updates (see `_after`), so that XLA may write the new value over the
+    old one. Without it XLA cannot order the two reads before the write, keeps
+    the state in another buffer than the donated one, and copies it on every
+    step, in the non-running branch too. The dependency costs, on running
+    steps only, one element read from each of those updates and a select
+    fused into the loop that writes the new value. It relies on XLA not fusing
+    that one-element read with the loop that produces the update (true of
+    XLA on CPU, checked in `tests/test_hlo.py`); where it is fused, the
+    dependency is lost and XLA copies as before: the values never change.
+    """
+
+    def step(grads, inner_state):
         new_updates, new_inner_state = inner_update(grads, inner_state)
         return new_updates, conform_state(new_inner_state, inner_state)
+
+    closed, (out_shapes, _) = jax.make_jaxpr(step, return_shape=True)(
+        grads, inner_state
+    )
+    readers = _updates_reading_old_state(
+        closed.jaxpr,
+        n_grads=len(jax.tree.leaves(grads)),
+        n_updates=len(jax.tree.leaves(out_shapes)),
+    )
+
+    def run(grads, inner_state):
+        new_updates, new_inner_state = step(grads, inner_state)
+        new_inner_state = _after(new_updates, new_inner_state, readers)
+        return new_updates, new_inner_state, jnp.ones((), jnp.bool_)
 
     def skip(grads, inner_state):
         del grads
         zeros = jax.tree.map(zeros_like_struct, out_shapes)
-        return zeros, inner_state
+        return zeros, inner_state, jnp.zeros((), jnp.bool_)
 
     return lax.cond(pred, run, skip, grads, inner_state)
+
+
+def _updates_reading_old_state(
+    jaxpr: Any, *, n_grads: int, n_updates: int
+) -> list[tuple[int, ...] | None]:
+    """For each state leaf of `step`'s jaxpr: the indices of the update leaves
+    that depend on its old value other than through its new value, or `None`
+    where the leaf is returned as it came in (nothing is written over it).
+
+    A forward pass over the equations with one bit per state leaf; the bit of
+    leaf `i` is not propagated past the variable that is its new value.
+    Equations with inner jaxprs (`jit`, `scan`, ...) pass every input's bits to
+    every output, which can only add dependencies. Only reads by the updates
+    are found: a leaf whose old value only another leaf's new value reads is
+    left to XLA (which copies where it cannot order them).
+    """
+    state_in = jaxpr.invars[n_grads:]
+    new_state = jaxpr.outvars[n_updates:]
+    bits: dict[Any, int] = {}
+    for i, v in enumerate(state_in):
+        bits[v] = bits.get(v, 0) | (1 << i)
+    blocked: dict[Any, int] = {}
+    for i, v in enumerate(new_state):
+        if isinstance(v, jex_core.Var) and v is not state_in[i]:
+            blocked[v] = blocked.get(v, 0) | (1 << i)
+
+    def of(v: Any) -> int:
+        return 0 if isinstance(v, jex_core.Literal) else bits.get(v, 0)
+
+    for eqn in jaxpr.eqns:
+        mask = 0
+        for v in eqn.invars:
+            mask |= of(v)
+        if mask:
+            for v in eqn.outvars:
+                bits[v] = mask & ~blocked.get(v, 0)
+    update_bits = [of(v) for v in jaxpr.outvars[:n_updates]]
+    return [
+        None
+        if new is old
+        else tuple(j for j, b in enumerate(update_bits) if b >> i & 1)
+        for i, (old, new) in enumerate(zip(state_in, new_state, strict=True))
+    ]
+
+
+def _always_true(update: jax.Array) -> jax.Array | None:
+    """A scalar `True` that XLA cannot compute before `update` is: computed from
+    one element of it, read by a strided `reduce_window`, which XLA on CPU
+    does not fuse with the elementwise loop that produces `update` (a slice
+    would be fused, and that loop duplicated to produce one element)."""
+    dtype = update.dtype
+    if jnp.issubdtype(dtype, jnp.inexact):
+        width = jnp.finfo(dtype).bits  # of the real part for complex dtypes
+    elif jnp.issubdtype(dtype, jnp.integer):
+        width = jnp.iinfo(dtype).bits
+    else:
+        return None
+    if update.size == 0 or width not in (8, 16, 32, 64):
+        return None
+    x = update
+    if x.ndim:
+        x = lax.reduce_window(
+            x, jnp.zeros((), dtype), lax.add, (1,) * x.ndim, x.shape, "VALID"
+        ).reshape(())
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        x = jnp.real(x)
+    bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}"))
+    return (bits | 1) != 0  # true for every value, NaN included
+
+
+def _after(
+    updates: PyTree, new_state: PyTree, readers: list[tuple[int, ...] | None]
+) -> PyTree:
+    """`new_state`, each leaf that `readers` names given a data dependency on
+    the updates that read its old value: `where(true, new, 0)` with a `true`
+    computed from them, so XLA orders the reads before the write."""
+    update_leaves = jax.tree.leaves(updates)
+    flags: dict[int, jax.Array | None] = {}
+    leaves, treedef = jax.tree.flatten(new_state)
+    out = []
+    for leaf, reads in zip(leaves, readers, strict=True):
+        if (
+            reads
+            and jnp.size(leaf)
+            and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+        ):
+            preds = []
+            for j in reads:
+                if j not in flags:
+                    flags[j] = _always_true(update_leaves[j])
+                if flags[j] is not None:
+                    preds.append(flags[j])
+            if preds:
+                pred = functools.reduce(jnp.logical_and, preds)
+                leaf = cast_like(jnp.where(pred, leaf, jnp.zeros_like(leaf)), leaf)
+        out.append(leaf)
+    return jax.tree.unflatten(treedef, out)
 
 
 def conform_state(new: PyTree, old: PyTree) -> PyTree:

@@ -25,18 +25,29 @@ the compiled HLO is checked in `tests/test_hlo.py`):
   emitting steps; optax computes it on every mini-step and discards it;
 - the inner state goes into the `cond` and comes back out of the
   non-emitting branch untouched: with the state donated, XLA hands the same
-  buffers back and copies nothing;
+  buffers back and copies nothing. That needs the emitting branch to write
+  each new state leaf over the old one, which XLA does only where data
+  dependencies order every read of the old value before the write. Lion's
+  updates read its old `mu` (`sign(b1 * mu + (1 - b1) * g)`) in a loop apart
+  from the one that writes the new `mu`; nothing orders the two, so XLA kept
+  `mu` in a buffer of its own and copied it on every step, emitting or not.
+  `update_if` finds such leaves in the inner update's jaxpr and makes their
+  new value depend on the updates that read the old one (see
+  `_conditional._after`); leaves read only through their new value, like
+  Adam's moments, are left alone;
 - the accumulator is *not* returned by the `cond`: passing it through the
   non-emitting branch made XLA copy it into the conditional's output buffer
   on every mini-step (seen in the compiled HLO). The accumulation and the
-  reset are elementwise loops, fused.
+  reset are elementwise loops, fused, both in place.
 
-What it costs: XLA keeps the accumulated value (read by the `cond`) and the
-reset accumulator in two buffers, one params-sized temporary. Resetting
-lazily at the next window's first mini-step instead would avoid it, but then
-the state after an emitting step would hold the applied mean rather than
-zeros, and `optax.MultiSteps` given such a state would add to it: states
-must stay interchangeable, so the temporary stays.
+The reset, `where(emitted, 0, acc)`, selects on a flag that the `cond`
+returns (`True` from the emitting branch) rather than on the predicate:
+selecting on the predicate left the reset unordered with the `cond` that
+reads the accumulated value, so XLA kept the accumulated value and the reset
+accumulator in two buffers, one params-sized temporary more than optax needs.
+Resetting after the `cond` keeps the state after an emitting step holding
+zeros, as optax's does, so a state saved by either implementation continues
+correctly in the other.
 
 One caveat is outside the library's reach: JAX pairs donated input buffers
 with outputs by shape and dtype, in order. A jitted step that returns
@@ -353,8 +364,8 @@ class MultiSteps:
         device accumulates its own gradients; the counters and the inner
         state are the same on every device, `P()`.
         """
-        replicated = jax.sharding.PartitionSpec()
-        per_device = (
+        replicated: Any = jax.sharding.PartitionSpec()
+        per_device: Any = (
             replicated
             if self._axis_name is None
             else jax.sharding.PartitionSpec(self._axis_name)
@@ -457,13 +468,16 @@ class MultiSteps:
         # an operand that neither branch returns: passed through the
         # non-emitting branch it would be copied into the conditional's output
         # buffer on every mini-step (seen in the compiled HLO). It is reset
-        # after the `cond` by a select, so the state after an emitting step
-        # holds zeros there, as optax's does: a state saved by either
-        # implementation continues correctly in the other.
-        new_updates, inner_state = update_if(
+        # after the `cond` by a select on `emitted`, a flag the `cond`
+        # returns: that orders the reset after the `cond` reads the
+        # accumulator, so XLA updates it in place (a select on `emit` left the
+        # two unordered and cost a params-sized temporary). The state after an
+        # emitting step holds zeros there, as optax's does: a state saved by
+        # either implementation continues correctly in the other.
+        new_updates, inner_state, emitted = update_if(
             emit, inner_update, acc_grads, state.inner_opt_state
         )
-        acc_grads = jax.tree.map(lambda acc: jnp.where(emit, 0, acc), acc_grads)
+        acc_grads = jax.tree.map(lambda acc: jnp.where(emitted, 0, acc), acc_grads)
         if per_device:
             acc_grads = _add_device_axis(acc_grads)
             skip_state = _add_device_axis(skip_state)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.core import Tracer
 
 from ._tree import cast_like
 
@@ -72,8 +73,8 @@ def _mirror_leaf(leaf: Any, param: Any) -> Any:
     typed = _typed_sharding(param)
     if typed is not None:
         return jax.sharding.reshard(leaf, typed)
-    if not isinstance(param, jax.core.Tracer):
-        if isinstance(leaf, jax.core.Tracer) or leaf.sharding == param.sharding:
+    if not isinstance(param, Tracer):
+        if isinstance(leaf, Tracer) or leaf.sharding == param.sharding:
             return leaf
         return jax.device_put(leaf, param.sharding)
     if jax.device_count() == 1:

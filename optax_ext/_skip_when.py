@@ -54,7 +54,10 @@ class _SkipWhen:
         def inner_update(grads, inner_state):
             return self.inner.update(grads, inner_state, params, **extra_args)
 
-        return update_if(jnp.logical_not(skip), inner_update, updates, state)
+        new_updates, new_state, _ = update_if(
+            jnp.logical_not(skip), inner_update, updates, state
+        )
+        return new_updates, new_state
 
 
 def skip_when(
