@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
-from ._sharding import zeros_like_struct
+from ._sharding import is_local, zeros_like_struct
 from ._tree import cast_like, check_same_shapes
 
 PyTree = Any
@@ -145,6 +145,10 @@ def _always_true(update: jax.Array) -> jax.Array | None:
     else:
         return None
     if update.size == 0 or width not in (8, 16, 32, 64):
+        return None
+    if not is_local(update):
+        # One element of a sharded array lives on one device: reading it
+        # would cost a collective on every emitting step.
         return None
     x = update
     if x.ndim:

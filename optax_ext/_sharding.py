@@ -40,7 +40,7 @@ def _is_hole(x: Any) -> bool:
     return x is None or isinstance(x, optax.MaskedNode)
 
 
-def _typed_sharding(x: Any) -> Any:
+def typed_sharding(x: Any) -> Any:
     """The sharding that is part of `x`'s type, or None if it shards nothing."""
     try:
         sharding = jax.typeof(x).sharding
@@ -70,7 +70,7 @@ def _mirror_leaf(leaf: Any, param: Any) -> Any:
         return leaf
     if leaf.shape != param.shape or not jnp.issubdtype(leaf.dtype, jnp.number):
         return leaf  # factored moments, counts, bools and keys keep theirs
-    typed = _typed_sharding(param)
+    typed = typed_sharding(param)
     if typed is not None:
         return jax.sharding.reshard(leaf, typed)
     if not isinstance(param, Tracer):
@@ -122,3 +122,17 @@ def varying_axes(x: Any) -> frozenset | None:
     if vma is None:  # jax >= 0.9
         vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
     return None if vma is None else frozenset(vma)
+
+
+def is_local(x: Any) -> bool:
+    """Whether `x` is known to live whole on each device that computes with
+    it: the process has one device, or `x` is traced inside `jax.shard_map`
+    over every axis of its mesh."""
+    if jax.device_count() == 1:
+        return True
+    try:
+        mesh = jax.typeof(x).sharding.mesh
+    except AttributeError:
+        return False
+    types = getattr(mesh, "axis_types", ())
+    return bool(types) and all(t == jax.sharding.AxisType.Manual for t in types)
