@@ -87,3 +87,4 @@ def minversions(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     session.install("-e", ".[bench]")
     session.run("python", "benchmarks/run.py", *session.posargs)
+    session.run("python", "benchmarks/data_parallel.py")

@@ -111,7 +111,9 @@ def main() -> None:
 
     gap = max(
         float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(jax.tree.leaves(d_params), jax.tree.leaves(c_params))
+        for a, b in zip(
+            jax.tree.leaves(d_params), jax.tree.leaves(c_params), strict=True
+        )
     )
     print(f"largest parameter difference, deferred vs conventional: {gap:.2e}")
     if gap > 1e-4 or not losses[-1] < losses[0]:
