@@ -1,5 +1,7 @@
 """Small helpers shared by the tests (independent of optax_ext's code)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,3 +35,16 @@ def to_np(x):
     if x.dtype in (jnp.bfloat16, jnp.float16):
         x = x.astype(jnp.float32)
     return np.asarray(x)
+
+
+def hlo_computations(hlo: str) -> dict[str, list[str]]:
+    """Instruction lines of each computation of an HLO module, by name."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+        if header:
+            name = "ENTRY" if line.startswith("ENTRY") else header.group(1)
+            comps[name] = []
+        elif name and line.startswith("  "):
+            comps[name].append(line.split(", metadata=")[0].strip())
+    return comps

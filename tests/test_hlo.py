@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _helpers import hlo_computations
 
 import optax_ext
 from optax_ext import _conditional
@@ -31,19 +32,6 @@ def _compile(tx, donate=(0, 1)):
     return fn.lower(GRADS, state).compile(), state
 
 
-def _computations(hlo: str) -> dict[str, list[str]]:
-    """Instruction lines of each computation of an HLO module, by name."""
-    comps, name = {}, None
-    for line in hlo.splitlines():
-        header = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
-        if header:
-            name = "ENTRY" if line.startswith("ENTRY") else header.group(1)
-            comps[name] = []
-        elif name and line.startswith("  "):
-            comps[name].append(line.split(", metadata=")[0].strip())
-    return comps
-
-
 def _opcode(instruction: str) -> str:
     return re.match(r"(?:ROOT )?%\S+ = .*? ([a-z][\w-]*)\(", instruction).group(1)
 
@@ -62,7 +50,7 @@ def _assert_idle_branch_only_writes_zeros(compiled) -> None:
     """The branch of the conditional that does not run the inner optimizer
     (branch 0: `lax.cond(pred, run, skip)`) writes zeros and nothing else, and
     nothing copies an array, there or in ENTRY."""
-    comps = _computations(compiled.as_text())
+    comps = hlo_computations(compiled.as_text())
     (cond,) = [line for line in comps["ENTRY"] if _opcode(line) == "conditional"]
     idle = re.search(r"branch_computations=\{%([^,}]+)", cond).group(1)
     allowed = {"parameter", "get-tuple-element", "tuple", "constant", "broadcast"}
@@ -163,7 +151,7 @@ def test_accumulation_is_two_fusions_per_leaf():
     """The mini-step's arithmetic, in ENTRY: per leaf one fused loop that
     accumulates and one that resets (a select)."""
     compiled, _ = _compile(optax_ext.MultiSteps(optax.adam(1e-3), NEVER))
-    entry = _computations(compiled.as_text())["ENTRY"]
+    entry = hlo_computations(compiled.as_text())["ENTRY"]
     shapes = {f"f32[{','.join(map(str, p.shape))}]" for p in PARAMS.values()}
     big = [
         line for line in entry

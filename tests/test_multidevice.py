@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import hlo_computations
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -250,14 +251,18 @@ def _local_grads(params, x, y):
     return jax.grad(_loss)(_varying(params), x, y)
 
 
+def _deferred_init(opt, params, mesh):
+    """Replicated params and the state from `opt.init` run under shard_map."""
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    init = jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=opt.state_specs())
+    return params, jax.jit(init)(params)
+
+
 def _train_deferred(opt, params, xs, ys):
     mesh = _data_mesh()
     specs = opt.state_specs()
     with jax.set_mesh(mesh):
-        params = jax.device_put(params, NamedSharding(mesh, P()))
-        state = jax.jit(
-            jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs)
-        )(params)
+        params, state = _deferred_init(opt, params, mesh)
 
         @jax.jit
         @jax.shard_map(
@@ -354,7 +359,7 @@ def test_skip_not_finite_is_one_decision_for_all_devices():
     want = _reference(optax.adam(1e-2), params, xs, ys, skip_not_finite=True)
     _assert_close(got, want)
     assert int(state.gradient_step) == 2 and int(state.mini_step) == 0
-    # skip_state is each device's own: the device that saw the inf counted it.
+    # skip_state holds one record per device (of its last mini-step).
     counts = np.asarray(state.skip_state["num_not_finite"])
     assert counts.shape == (N_DEVICES,)
 
@@ -362,14 +367,7 @@ def test_skip_not_finite_is_one_decision_for_all_devices():
 def _branches(hlo):
     """(ENTRY and its callees apart from the conditional's branches, the
     emitting branch, the non-emitting branch) as HLO text."""
-    comps, name = {}, None
-    for line in hlo.splitlines():
-        header = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
-        if header:
-            name = "ENTRY" if line.startswith("ENTRY") else header.group(1)
-            comps[name] = []
-        elif name:
-            comps[name].append(line)
+    comps = hlo_computations(hlo)
     conds = [line for line in comps["ENTRY"] if " conditional(" in line]
     (cond,) = conds
     branches = r"branch_computations=\{%([^,}]+), %([^,}]+)\}"
@@ -457,10 +455,7 @@ def test_replicated_gradients_are_rejected():
     opt = optax_ext.MultiSteps(optax.adam(1e-2), K, axis_name="data")
     specs = opt.state_specs()
     with jax.set_mesh(mesh):
-        params = jax.device_put(params, NamedSharding(mesh, P()))
-        state = jax.jit(
-            jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs)
-        )(params)
+        params, state = _deferred_init(opt, params, mesh)
 
         @jax.shard_map(
             mesh=mesh, in_specs=(P(), specs, P("data"), P("data")), out_specs=specs
