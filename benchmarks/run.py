@@ -2,8 +2,8 @@
 
 Run with `nox -s bench` (or `python benchmarks/run.py`). Everything is
 measured in one process, interleaved round-robin (one call of each candidate
-per round, medians over rounds), so that a noisy shared machine slows all
-candidates alike and the ratios stay meaningful.
+per round, in a shuffled order, medians over rounds), so that a noisy shared
+machine slows all candidates alike and the ratios stay meaningful.
 
 Candidates, for each inner optimizer and size:
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -129,8 +130,13 @@ def bench(inner: str, n_params: int, rounds: int) -> dict[str, dict[str, float]]
     runners = {
         name: Runner(tx, params, grads) for name, tx in candidates(inner).items()
     }
+    # Round-robin, in a new order each round, so that no candidate always
+    # runs right after a heavy one (muon's emitting steps take seconds).
+    order = list(runners.values())
+    shuffle = random.Random(n_params).shuffle
     for _ in range(rounds):
-        for runner in runners.values():
+        shuffle(order)
+        for runner in order:
             runner.times.append(runner.call())
     compile_times: dict[str, list[float]] = {"optax mini": [], "ext mini": []}
     for _ in range(3):
@@ -143,6 +149,7 @@ def bench(inner: str, n_params: int, rounds: int) -> dict[str, dict[str, float]]
         out[name] = {
             "ms": 1e3 * statistics.median(runner.times),
             "temp_mb": runner.temp_bytes / 2**20,
+            "temp_bytes": runner.temp_bytes,
             "compile_s": statistics.median(compile_times.get(name, [runner.compile_s])),
         }
     return out
@@ -163,9 +170,9 @@ def write_table(results, path: Path) -> str:
         "",
         "| inner | params | floor ms | bare ms | optax mini ms | ext mini ms "
         "| ext mini / floor | optax mini / floor | optax emit ms | ext emit ms "
-        "| ext emit / (bare + floor) | temp MB optax / ext (mini) "
-        "| compile s optax / ext |",
-        "|" + "---|" * 13,
+        "| ext emit / (bare + floor) | temp MiB optax / ext (mini) "
+        "| temp ext - optax (bytes) | compile s optax / ext |",
+        "|" + "---|" * 14,
     ]
     for (inner, n), r in results.items():
         ms = {k: v["ms"] for k, v in r.items()}
@@ -177,6 +184,7 @@ def write_table(results, path: Path) -> str:
             f"| {ms['optax emit']:.2f} | {ms['ext emit']:.2f} "
             f"| **{ms['ext emit'] / (ms['bare'] + ms['floor']):.2f}** "
             f"| {r['optax mini']['temp_mb']:.1f} / {r['ext mini']['temp_mb']:.1f} "
+            f"| {r['ext mini']['temp_bytes'] - r['optax mini']['temp_bytes']:+,d} "
             f"| {r['optax mini']['compile_s']:.2f} / {r['ext mini']['compile_s']:.2f} |"
         )
     text = "\n".join(lines) + "\n"

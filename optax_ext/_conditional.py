@@ -34,20 +34,26 @@ def update_if(
     inner_update: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
     grads: PyTree,
     inner_state: PyTree,
-) -> tuple[PyTree, PyTree, jax.Array]:
+    *,
+    clear_grads: bool = False,
+) -> tuple[PyTree, PyTree, PyTree | None]:
     """`inner_update(grads, inner_state)` where `pred`, else zero updates and
-    `inner_state` as it came in; also returns whether the inner update ran.
+    `inner_state` as it came in.
 
     The zeros have the dtypes of the inner optimizer's updates (not of
     `grads`), and the new state is conformed to the old one's avals, so both
     branches of the `cond` agree exactly and the caller's state never changes
     type. Under `vmap` with a batched `pred` the `cond` becomes a select.
 
-    The third output is `pred` as the `cond` returns it (`True` from the
-    running branch, `False` from the other). Work that must follow the `cond`,
-    such as resetting a buffer the running branch reads, should select on it
-    rather than on `pred`: only a value computed by the `cond` orders that
-    work after it, which lets XLA update the buffer in place.
+    With `clear_grads`, the third output is `grads` cleared to zeros where
+    `pred` (the inner update ran) and `grads` as they came in elsewhere; it is
+    `None` otherwise. This is how a buffer that the inner update reads (an
+    accumulator) is reset in place: the zeros are written in the running
+    branch, ordered after every output of the inner update that reads
+    `grads` (by the dependency described below), so that XLA may write them
+    over `grads`. The same reset done after the `cond`, by a select, leaves
+    the accumulated values in a buffer of their own, a params-sized
+    temporary, and copies them back on every step.
 
     In the running branch, a state leaf whose old value the updates read
     directly (not through its new value: Lion's `mu`, read for
@@ -70,23 +76,56 @@ def update_if(
     closed, (out_shapes, _) = jax.make_jaxpr(step, return_shape=True)(
         grads, inner_state
     )
+    n_grads = len(jax.tree.leaves(grads))
+    n_updates = len(jax.tree.leaves(out_shapes))
     readers = _updates_reading_old_state(
-        closed.jaxpr,
-        n_grads=len(jax.tree.leaves(grads)),
-        n_updates=len(jax.tree.leaves(out_shapes)),
+        closed.jaxpr, n_grads=n_grads, n_updates=n_updates
     )
+    grad_readers = _outputs_reading_grads(closed.jaxpr, n_grads=n_grads)
 
     def run(grads, inner_state):
         new_updates, new_inner_state = step(grads, inner_state)
         new_inner_state = _after(new_updates, new_inner_state, readers)
-        return new_updates, new_inner_state, jnp.ones((), jnp.bool_)
+        if not clear_grads:
+            return new_updates, new_inner_state, None
+        outputs = jax.tree.leaves((new_updates, new_inner_state))
+        done = [_always_true(outputs[i]) for i in grad_readers]
+        done = [flag for flag in done if flag is not None]
+        return new_updates, new_inner_state, _zeros_after(grads, done)
 
     def skip(grads, inner_state):
-        del grads
         zeros = jax.tree.map(zeros_like_struct, out_shapes)
-        return zeros, inner_state, jnp.zeros((), jnp.bool_)
+        return zeros, inner_state, (grads if clear_grads else None)
 
     return lax.cond(pred, run, skip, grads, inner_state)
+
+
+def _outputs_reading_grads(jaxpr: Any, *, n_grads: int) -> list[int]:
+    """Indices of the outputs (updates, then new state) of `step`'s jaxpr
+    whose value depends on the first `n_grads` inputs. Equations with inner
+    jaxprs pass every input's dependency to every output, which can only add
+    outputs."""
+    reading = set(jaxpr.invars[:n_grads])
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, jex_core.Var) and v in reading for v in eqn.invars):
+            reading.update(eqn.outvars)
+    return [
+        i
+        for i, v in enumerate(jaxpr.outvars)
+        if isinstance(v, jex_core.Var) and v in reading
+    ]
+
+
+def _zeros_after(grads: PyTree, done: list[jax.Array]) -> PyTree:
+    """Zeros shaped like `grads`, each computed as `where(all(done), 0, g)`:
+    elementwise from `g`, so XLA may write it over `g`, and after every flag
+    in `done` is, so after the reads of `g` that those flags follow. Where
+    `done` misses a reader XLA orders nothing and copies; the values are
+    zeros all the same."""
+    if not done:
+        return jax.tree.map(jnp.zeros_like, grads)
+    flag = functools.reduce(jnp.logical_and, done)
+    return jax.tree.map(lambda g: jnp.where(flag, jnp.zeros_like(g), g), grads)
 
 
 def _updates_reading_old_state(
@@ -150,7 +189,9 @@ def _always_true(update: jax.Array) -> jax.Array | None:
         # One element of a sharded array lives on one device: reading it
         # would cost a collective on every emitting step.
         return None
-    x = update
+    # The flag is a bool: no gradient flows through it (and none can be
+    # asked of the bit cast below).
+    x = lax.stop_gradient(update)
     if x.ndim:
         x = lax.reduce_window(
             x, jnp.zeros((), dtype), lax.add, (1,) * x.ndim, x.shape, "VALID"

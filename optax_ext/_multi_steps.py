@@ -14,8 +14,8 @@ with `emit * new + (1 - emit) * old`, which is why a NaN accumulated once
 stays forever (`0 * nan == nan`), why a non-emitting step returns NaN where
 the inner update is `inf` (`0 * inf == nan`), and why `bool` state leaves used
 to be promoted to integers (optax issue #828). The accumulator is reset by
-selection too: to zeros after an emitting step (`where(emit, 0, acc)`), and
-the first mini-step of a window takes its gradient as the mean,
+selection too: to zeros by the emitting step (a select, never `0 * acc`),
+and the first mini-step of a window takes its gradient as the mean,
 `where(mini_step == 0, g, running_mean)`, whatever the buffer held.
 
 Why a mini-step costs one accumulation (measured in `benchmarks/run.py`, and
@@ -35,19 +35,31 @@ the compiled HLO is checked in `tests/test_hlo.py`):
   new value depend on the updates that read the old one (see
   `_conditional._after`); leaves read only through their new value, like
   Adam's moments, are left alone;
-- the accumulator is *not* returned by the `cond`: passing it through the
-  non-emitting branch made XLA copy it into the conditional's output buffer
-  on every mini-step (seen in the compiled HLO). The accumulation and the
-  reset are elementwise loops, fused, both in place.
+- the accumulator goes into the `cond` and comes back out: as it came in
+  from the non-emitting branch, cleared to zeros by the emitting one. XLA
+  keeps a value in a donated input's buffer only if it is the value returned
+  there (or passes through to it), so every candidate that computed the
+  returned accumulator *after* the `cond` (`where(emit, 0, acc)`, or a
+  select on a flag the `cond` returns) kept the running mean in a
+  params-sized temporary and copied it back on every mini-step. Clearing it
+  inside the emitting branch puts the running mean, and the zeros, in the
+  donated buffer, with one condition: the zeros must be written after the
+  inner optimizer's last read of the mean, which nothing orders by itself;
+  `update_if(..., clear_grads=True)` makes them depend on every output of
+  the inner update that reads it (one element read from each), without
+  which XLA copied the accumulator into the non-emitting branch's output.
+  A mini-step is then one fused loop per leaf that accumulates in place,
+  and zeros written into the updates; the compiled update needs no
+  temporary beyond the inner optimizer's own (a few KiB with Adam, against
+  three params-sized buffers for optax; `tests/test_hlo.py`). The element
+  reads need arrays whose elements are all on this device: for params
+  sharded over several devices (outside `shard_map`) reading one would cost
+  a collective, so none is added there, and XLA copies the accumulator on
+  a mini-step instead (the values are the same).
 
-The reset, `where(emitted, 0, acc)`, selects on a flag that the `cond`
-returns (`True` from the emitting branch) rather than on the predicate:
-selecting on the predicate left the reset unordered with the `cond` that
-reads the accumulated value, so XLA kept the accumulated value and the reset
-accumulator in two buffers, one params-sized temporary more than optax needs.
-Resetting after the `cond` keeps the state after an emitting step holding
-zeros, as optax's does, so a state saved by either implementation continues
-correctly in the other.
+The state after an emitting step holds zeros in `acc_grads`, as optax's
+does, so a state saved by either implementation continues correctly in the
+other.
 
 One caveat is outside the library's reach: JAX pairs donated input buffers
 with outputs by shape and dtype, in order. A jitted step that returns
@@ -464,20 +476,15 @@ class MultiSteps:
             )
             return self._opt.update(grads, inner_state, params, **extra_args)
 
-        # Only the inner optimizer sits inside the `cond`. The accumulator is
-        # an operand that neither branch returns: passed through the
-        # non-emitting branch it would be copied into the conditional's output
-        # buffer on every mini-step (seen in the compiled HLO). It is reset
-        # after the `cond` by a select on `emitted`, a flag the `cond`
-        # returns: that orders the reset after the `cond` reads the
-        # accumulator, so XLA updates it in place (a select on `emit` left the
-        # two unordered and cost a params-sized temporary). The state after an
+        # Only the inner optimizer sits inside the `cond`. The accumulator goes
+        # in and comes back out: cleared in the emitting branch once the inner
+        # optimizer has read it, as it came in from the other. Both keep it in
+        # the donated buffer (see the module's docstring). The state after an
         # emitting step holds zeros there, as optax's does: a state saved by
         # either implementation continues correctly in the other.
-        new_updates, inner_state, emitted = update_if(
-            emit, inner_update, acc_grads, state.inner_opt_state
+        new_updates, inner_state, acc_grads = update_if(
+            emit, inner_update, acc_grads, state.inner_opt_state, clear_grads=True
         )
-        acc_grads = jax.tree.map(lambda acc: jnp.where(emitted, 0, acc), acc_grads)
         if per_device:
             acc_grads = _add_device_axis(acc_grads)
             skip_state = _add_device_axis(skip_state)
