@@ -175,7 +175,10 @@ def _always_true(update: jax.Array) -> jax.Array | None:
     """A scalar `True` that XLA cannot compute before `update` is: computed from
     one element of it, read by a strided `reduce_window`, which XLA on CPU
     does not fuse with the elementwise loop that produces `update` (a slice
-    would be fused, and that loop duplicated to produce one element)."""
+    would be fused, and that loop duplicated to produce one element). For a
+    small 1-D `update` (a bias of 64 entries; not one of 4096) XLA rewrites
+    the `reduce_window` and duplicates the loop all the same: the dependency
+    is lost and XLA copies the small buffer it guarded."""
     dtype = update.dtype
     if jnp.issubdtype(dtype, jnp.inexact):
         width = jnp.finfo(dtype).bits  # of the real part for complex dtypes

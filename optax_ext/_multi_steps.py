@@ -462,7 +462,16 @@ class MultiSteps:
                 return new
             return jnp.where(should_skip, acc, new)
 
-        acc_grads = jax.tree.map(accumulate, updates, acc_in)
+        if per_device:
+            # The accumulator keeps its device axis through the `cond`: a
+            # reshape of the `cond`'s result made XLA copy it into the state.
+            acc_grads = jax.tree.map(
+                lambda g, acc: accumulate(jnp.expand_dims(g, 0), acc),
+                updates,
+                state.acc_grads,
+            )
+        else:
+            acc_grads = jax.tree.map(accumulate, updates, acc_in)
         emit = jnp.logical_and(jnp.logical_not(should_skip), mini_step + 1 >= k)
         update_dtypes = jax.tree.map(lambda g: jnp.result_type(g), updates)
 
@@ -470,6 +479,7 @@ class MultiSteps:
             if per_device:
                 # The only collective of a window: this device's mean (or sum)
                 # averaged over the devices, in the accumulator's dtype.
+                acc_grads = jax.tree.map(lambda acc: acc[0], acc_grads)
                 acc_grads = lax.pmean(acc_grads, self._axis_name)
             grads = jax.tree.map(
                 lambda acc, dt: acc.astype(dt), acc_grads, update_dtypes
@@ -486,7 +496,6 @@ class MultiSteps:
             emit, inner_update, acc_grads, state.inner_opt_state, clear_grads=True
         )
         if per_device:
-            acc_grads = _add_device_axis(acc_grads)
             skip_state = _add_device_axis(skip_state)
         new_state = optax.MultiStepsState(
             mini_step=jnp.where(

@@ -413,6 +413,48 @@ def test_mini_step_has_no_collective_and_emit_reduces_once(skip):
     )
 
 
+@pytest.mark.parametrize("inner", ["adam", "lion"])
+def test_deferred_mini_step_copies_no_array(inner):
+    """Inside shard_map every array is this device's own, so the in-place
+    machinery of one device holds: with params and state donated, a
+    mini-step never copies the accumulator (updated in its buffer, cleared
+    by the emitting branch), and with Adam no array at all. (Lion's `mu` of
+    the 5-entry bias is copied: XLA duplicates the loop that the dependency
+    reads for so small a 1-D array; see `_conditional._always_true`.)"""
+    params, xs, ys = _problem(1)
+    tx = {"adam": optax.adam(1e-2), "lion": optax.lion(1e-3)}[inner]
+    opt = optax_ext.MultiSteps(tx, K, axis_name="data")
+    mesh = _data_mesh()
+    specs = opt.state_specs()
+
+    def step(params, state, x, y):
+        updates, state = opt.update(_local_grads(params, x, y), state, params)
+        return optax.apply_updates(params, updates), state
+
+    sharded = jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(P(), specs, P("data"), P("data")),
+        out_specs=(P(), specs),
+    )
+    with jax.set_mesh(mesh):
+        params, state = _deferred_init(opt, params, mesh)
+        batch = NamedSharding(mesh, P("data"))
+        x, y = jax.device_put(xs[0], batch), jax.device_put(ys[0], batch)
+        hlo = jax.jit(sharded, donate_argnums=(0, 1)).lower(params, state, x, y)
+        hlo = hlo.compile().as_text()
+    entry, _, no_emit = _branches(hlo)
+    copies = [
+        line.split(" copy(")[0].split(" = ")[1]
+        for line in (entry + "\n" + no_emit).splitlines()
+        if re.search(r"\[\d[\d,]*\]\S* copy\(", line) and "broadcast" not in line
+    ]
+    # The accumulator is the only state with a leading device axis of 1.
+    assert [shape for shape in copies if shape.startswith("f32[1,")] == []
+    if inner == "adam":
+        assert copies == []
+
+
 def test_optax_multisteps_needs_a_reduction_every_mini_step():
     """The contrast: optax.MultiSteps sees already-reduced gradients, so
     every mini-step all-reduces every gradient leaf."""
