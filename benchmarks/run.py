@@ -3,7 +3,9 @@
 Run with `nox -s bench` (or `python benchmarks/run.py`). Everything is
 measured in one process, interleaved round-robin (one call of each candidate
 per round, in a shuffled order, medians over rounds), so that a noisy shared
-machine slows all candidates alike and the ratios stay meaningful.
+machine slows all candidates alike and the ratios stay meaningful. Within a
+round a candidate is timed over consecutive calls lasting at least
+`MIN_SECONDS` (one call of a slow one).
 
 Candidates, for each inner optimizer and size:
 
@@ -46,6 +48,7 @@ import optax_ext
 RESULTS = Path(__file__).parent / "results"
 LEAVES = 8
 NEVER = 1_000_000_000  # every_k_schedule for steps that never emit
+MIN_SECONDS = 0.05  # a round times each candidate over at least this long
 
 INNER: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adam": lambda: optax.adam(1e-3),
@@ -133,6 +136,17 @@ class Runner:
         jax.block_until_ready((updates, self.state))
         return time.perf_counter() - start
 
+    def timed(self, min_seconds: float) -> float:
+        """Seconds per call over consecutive calls totalling `min_seconds` (at
+        least one call): a fast step is timed over many calls in a row, as
+        mini-steps run in training, rather than once after whatever heavy
+        candidate preceded it."""
+        total, calls = 0.0, 0
+        while total < min_seconds or calls == 0:
+            total += self.call()
+            calls += 1
+        return total / calls
+
 
 def compile_time(tx: optax.GradientTransformation, params, grads) -> float:
     """Trace, lower and compile a fresh jit of the update (no cache hit)."""
@@ -160,7 +174,7 @@ def bench(inner: str, n_params: int, rounds: int) -> dict[str, dict[str, float]]
     for _ in range(rounds):
         shuffle(order)
         for runner in order:
-            runner.times.append(runner.call())
+            runner.times.append(runner.timed(MIN_SECONDS))
     compile_times: dict[str, list[float]] = {"optax mini": [], "ext mini": []}
     for _ in range(7):
         for name in compile_times:
