@@ -5,7 +5,8 @@ measured in one process, interleaved round-robin (one call of each candidate
 per round, in a shuffled order, medians over rounds), so that a noisy shared
 machine slows all candidates alike and the ratios stay meaningful. Within a
 round a candidate is timed over consecutive calls lasting at least
-`MIN_SECONDS` (one call of a slow one).
+`MIN_SECONDS` (one call of a slow one). Each (inner optimizer, size) case
+runs in a fresh process.
 
 Candidates, for each inner optimizer and size:
 
@@ -30,10 +31,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -261,16 +265,33 @@ def plot(results, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def bench_in_subprocess(inner: str, n_params: int, rounds: int) -> dict:
+    """`bench` in a fresh Python process, so that what earlier cases left in
+    memory (allocator state, compiled programs) does not weigh on this one."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--case", f"{inner}:{n_params}:{rounds}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1e6,4e6,16e6")
     parser.add_argument("--inner", default=",".join(INNER))
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--case", help="inner:n_params:rounds, run here (internal)")
     args = parser.parse_args()
+    if args.case:
+        inner, n, rounds = args.case.split(":")
+        print(json.dumps(bench(inner, int(n), int(rounds))))
+        return
     results = {}
     for inner in args.inner.split(","):
         for n in (int(float(s)) for s in args.sizes.split(",")):
-            results[inner, n] = bench(inner, n, args.rounds)
+            results[inner, n] = bench_in_subprocess(inner, n, args.rounds)
             r = results[inner, n]
             print(
                 f"{inner:10s} {n / 1e6:5g}M  "

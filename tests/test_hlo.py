@@ -137,6 +137,28 @@ def test_donated_state_is_updated_in_place(inner):
         assert pairs.get(n_grads + i) == n_grads + i, (i, pairs)
 
 
+def test_donating_only_the_state_pairs_updates_with_state_buffers():
+    """Why a step that donates only the state copies it (the module
+    docstring's caveat): JAX pairs donated inputs with outputs by shape and
+    dtype, in order, so the returned zero updates take the first
+    params-shaped state buffers (Adam's `mu`) and those state leaves cannot
+    be handed back in place. Donating the gradients too pairs every state
+    leaf with itself (`test_donated_state_is_updated_in_place`)."""
+    compiled, state = _compile(optax_ext.MultiSteps(optax.adam(1e-3), NEVER), (1,))
+    header = compiled.as_text().splitlines()[0]
+    pairs = dict(
+        (int(out), int(param))
+        for out, param in re.findall(r"\{(\d+)\}: \((\d+), \{\}, may-alias\)", header)
+    )
+    n_grads = len(jax.tree.leaves(GRADS))
+    n_state = len(jax.tree.leaves(state))
+    updates_from = sorted(pairs[i] for i in range(n_grads) if i in pairs)
+    assert updates_from, pairs  # the updates took donated state buffers
+    assert all(n_grads <= p < n_grads + n_state for p in updates_from)
+    kept = [i for i in range(n_state) if pairs.get(n_grads + i) == n_grads + i]
+    assert len(kept) < n_state  # so some state leaves are not kept in place
+
+
 @pytest.mark.parametrize("inner", INNER)
 def test_temp_memory_at_most_optax(inner):
     """No more temporary memory than optax's MultiSteps, but for the
