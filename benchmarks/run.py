@@ -24,7 +24,7 @@ it finds, here the inner optimizer's moments, so every candidate that carries
 an inner state pays for copying it; see docs/multi_steps.md.)
 
 Also reported: compiled temporary memory (`memory_analysis()`) and the
-compile time of the jitted update.
+compile time of the jitted update (median of 15 fresh compiles, interleaved).
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def bench(inner: str, n_params: int, rounds: int) -> dict[str, dict[str, float]]
         for runner in order:
             runner.times.append(runner.timed(MIN_SECONDS))
     compile_times: dict[str, list[float]] = {"optax mini": [], "ext mini": []}
-    for _ in range(7):
+    for _ in range(15):
         for name in compile_times:
             compile_times[name].append(
                 compile_time(candidates(inner)[name], params, grads)
