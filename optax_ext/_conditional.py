@@ -85,11 +85,16 @@ def update_if(
 
     def run(grads, inner_state):
         new_updates, new_inner_state = step(grads, inner_state)
-        new_inner_state = _after(new_updates, new_inner_state, readers)
+        # Flags of the update leaves, by index: shared by both dependencies.
+        flags: dict[int, jax.Array | None] = {}
+        new_inner_state = _after(new_updates, new_inner_state, readers, flags)
         if not clear_grads:
             return new_updates, new_inner_state, None
         outputs = jax.tree.leaves((new_updates, new_inner_state))
-        done = [_always_true(outputs[i]) for i in grad_readers]
+        for i in grad_readers:
+            if i not in flags:
+                flags[i] = _always_true(outputs[i])
+        done = [flags[i] for i in grad_readers]
         done = [flag for flag in done if flag is not None]
         return new_updates, new_inner_state, _zeros_after(grads, done)
 
@@ -206,13 +211,17 @@ def _always_true(update: jax.Array) -> jax.Array | None:
 
 
 def _after(
-    updates: PyTree, new_state: PyTree, readers: list[tuple[int, ...] | None]
+    updates: PyTree,
+    new_state: PyTree,
+    readers: list[tuple[int, ...] | None],
+    flags: dict[int, jax.Array | None],
 ) -> PyTree:
     """`new_state`, each leaf that `readers` names given a data dependency on
     the updates that read its old value: `where(true, new, 0)` with a `true`
-    computed from them, so XLA orders the reads before the write."""
+    computed from them, so XLA orders the reads before the write. `flags`
+    holds the flag of each update leaf already computed, by index, and is
+    filled in."""
     update_leaves = jax.tree.leaves(updates)
-    flags: dict[int, jax.Array | None] = {}
     leaves, treedef = jax.tree.flatten(new_state)
     out = []
     for leaf, reads in zip(leaves, readers, strict=True):
