@@ -462,16 +462,13 @@ class MultiSteps:
                 return new
             return jnp.where(should_skip, acc, new)
 
-        if per_device:
-            # The accumulator keeps its device axis through the `cond`: a
-            # reshape of the `cond`'s result made XLA copy it into the state.
-            acc_grads = jax.tree.map(
-                lambda g, acc: accumulate(jnp.expand_dims(g, 0), acc),
-                updates,
-                state.acc_grads,
-            )
-        else:
-            acc_grads = jax.tree.map(accumulate, updates, acc_in)
+        # With `axis_name` the accumulator keeps its device axis through the
+        # `cond` (the gradient gets one): a reshape of the `cond`'s result made
+        # XLA copy it into the state.
+        add_axis = jnp.expand_dims if per_device else (lambda g, _: g)
+        acc_grads = jax.tree.map(
+            lambda g, acc: accumulate(add_axis(g, 0), acc), updates, state.acc_grads
+        )
         emit = jnp.logical_and(jnp.logical_not(should_skip), mini_step + 1 >= k)
         update_dtypes = jax.tree.map(lambda g: jnp.result_type(g), updates)
 

@@ -37,6 +37,17 @@ def _compile(tx, donate=(0, 1)):
     return fn.lower(GRADS, state).compile(), state
 
 
+def _aliased_pairs(compiled) -> dict[int, int]:
+    """{output leaf index: donated parameter index} from the HLO header."""
+    header = compiled.as_text().splitlines()[0]
+    found = re.findall(r"\{(\d+)\}: \((\d+), \{\}, may-alias\)", header)
+    return {int(out): int(param) for out, param in found}
+
+
+def _temp_bytes(tx) -> int:
+    return _compile(tx)[0].memory_analysis().temp_size_in_bytes
+
+
 def _opcode(instruction: str) -> str:
     return re.match(r"(?:ROOT )?%\S+ = .*? ([a-z][\w-]*)\(", instruction).group(1)
 
@@ -127,11 +138,7 @@ def test_donated_state_is_updated_in_place(inner):
     """With gradients and state donated, every state leaf's buffer is handed
     back as the same leaf of the new state (no leaf is moved or copied)."""
     compiled, state = _compile(optax_ext.MultiSteps(INNER[inner](), NEVER))
-    header = compiled.as_text().splitlines()[0]
-    pairs = dict(
-        (int(out), int(param))
-        for out, param in re.findall(r"\{(\d+)\}: \((\d+), \{\}, may-alias\)", header)
-    )
+    pairs = _aliased_pairs(compiled)
     n_grads, n_state = len(jax.tree.leaves(GRADS)), len(jax.tree.leaves(state))
     for i in range(n_state):
         assert pairs.get(n_grads + i) == n_grads + i, (i, pairs)
@@ -145,11 +152,7 @@ def test_donating_only_the_state_pairs_updates_with_state_buffers():
     be handed back in place. Donating the gradients too pairs every state
     leaf with itself (`test_donated_state_is_updated_in_place`)."""
     compiled, state = _compile(optax_ext.MultiSteps(optax.adam(1e-3), NEVER), (1,))
-    header = compiled.as_text().splitlines()[0]
-    pairs = dict(
-        (int(out), int(param))
-        for out, param in re.findall(r"\{(\d+)\}: \((\d+), \{\}, may-alias\)", header)
-    )
+    pairs = _aliased_pairs(compiled)
     n_grads = len(jax.tree.leaves(GRADS))
     n_state = len(jax.tree.leaves(state))
     updates_from = sorted(pairs[i] for i in range(n_grads) if i in pairs)
@@ -166,17 +169,9 @@ def test_temp_memory_at_most_optax(inner):
     adam, adafactor and lion need a few KiB against optax's one to three
     params-sized buffers; muon needs what its own update needs, as in optax.
     Compiled sizes vary with the XLA version."""
-    ours, _ = _compile(optax_ext.MultiSteps(INNER[inner](), NEVER))
-    theirs, _ = _compile(optax.MultiSteps(INNER[inner](), NEVER))
-    ours_b = ours.memory_analysis().temp_size_in_bytes
-    theirs_b = theirs.memory_analysis().temp_size_in_bytes
-    assert ours_b <= theirs_b + TABLES, (ours_b, theirs_b)
-
-
-def _temp_bytes(tx):
-    state = tx.init(PARAMS)
-    fn = jax.jit(lambda g, s: tx.update(g, s, PARAMS), donate_argnums=(0, 1))
-    return fn.lower(GRADS, state).compile().memory_analysis().temp_size_in_bytes
+    ours = _temp_bytes(optax_ext.MultiSteps(INNER[inner](), NEVER))
+    theirs = _temp_bytes(optax.MultiSteps(INNER[inner](), NEVER))
+    assert ours <= theirs + TABLES, (ours, theirs)
 
 
 @pytest.mark.parametrize("inner", INNER)
