@@ -45,35 +45,24 @@ def update_if(
     branches of the `cond` agree exactly and the caller's state never changes
     type. Under `vmap` with a batched `pred` the `cond` becomes a select.
 
+    `inner_update` is traced once: its jaxpr is analysed, then evaluated in
+    the running branch (nesting `update_if` does not multiply traces).
+
     With `clear_grads`, the third output is `grads` cleared to zeros where
     `pred` (the inner update ran) and `grads` as they came in elsewhere; it is
-    `None` otherwise. This is how a buffer that the inner update reads (an
-    accumulator) is reset in place: the zeros are written in the running
-    branch, ordered after every output of the inner update that reads
-    `grads` (by the dependency described below), so that XLA may write them
-    over `grads`. The same reset done after the `cond`, by a select, leaves
-    the accumulated values in a buffer of their own, a params-sized
-    temporary, and copies them back on every step.
-
-    In the running branch, a state leaf whose old value the updates read
-    directly (not through its new value: Lion's `mu`, read for
-    `sign(b1 * mu + ...)` and for the new `mu`) is given a data dependency on
-    those updates (see `_after`), so that XLA may write the new value over the
-    old one. Without it XLA cannot order the two reads before the write, keeps
-    the state in another buffer than the donated one, and copies it on every
-    step, in the non-running branch too. The dependency costs, on running
-    steps only, one element read from each of those updates and a select
-    fused into the loop that writes the new value. It relies on XLA not fusing
-    that one-element read with the loop that produces the update (true of
-    XLA on CPU, checked in `tests/test_hlo.py`); where it is fused, the
-    dependency is lost and XLA copies as before: the values never change.
+    `None` otherwise. The zeros are ordered after every output that reads
+    `grads`, so XLA may write them over `grads` (an accumulator reset in its
+    own buffer). A state leaf whose old value the updates read directly
+    (Lion's `mu`) is likewise ordered after those updates, so its new value
+    may be written over the old one. Both orderings go through one
+    `lax.optimization_barrier` each (see `docs/design.md`).
     """
 
     def step(grads, inner_state):
         new_updates, new_inner_state = inner_update(grads, inner_state)
         return new_updates, conform_state(new_inner_state, inner_state)
 
-    closed, (out_shapes, _) = jax.make_jaxpr(step, return_shape=True)(
+    closed, (out_shapes, state_shapes) = jax.make_jaxpr(step, return_shape=True)(
         grads, inner_state
     )
     n_grads = len(jax.tree.leaves(grads))
@@ -82,55 +71,134 @@ def update_if(
         closed.jaxpr, n_grads=n_grads, n_updates=n_updates
     )
     grad_readers = _outputs_reading_grads(closed.jaxpr, n_grads=n_grads)
+    traced_step = jex_core.jaxpr_as_fun(closed)
+    out_def = jax.tree.structure((out_shapes, state_shapes))
+    out_avals = closed.out_avals
 
-    def run(grads, inner_state):
-        new_updates, new_inner_state = step(grads, inner_state)
-        # Flags of the update leaves, by index: shared by both dependencies.
-        flags: dict[int, jax.Array | None] = {}
-        new_inner_state = _after(new_updates, new_inner_state, readers, flags)
+    def run(live, grads, inner_state):
+        leaves = traced_step(*jax.tree.leaves((grads, inner_state)))
+        # A constant output comes back as a Python or NumPy value.
+        leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
+        update_leaves = leaves[:n_updates]
+        state_leaves = _after(update_leaves, leaves[n_updates:], readers, live)
+        new_updates, new_inner_state = jax.tree.unflatten(
+            out_def, [*update_leaves, *state_leaves]
+        )
         if not clear_grads:
             return new_updates, new_inner_state, None
-        outputs = jax.tree.leaves((new_updates, new_inner_state))
-        for i in grad_readers:
-            if i not in flags:
-                flags[i] = _always_true(outputs[i])
-        done = [flags[i] for i in grad_readers]
-        done = [flag for flag in done if flag is not None]
+        outputs = [*update_leaves, *state_leaves]
+        done = _token_after([outputs[i] for i in grad_readers], live)
         return new_updates, new_inner_state, _zeros_after(grads, done)
 
-    def skip(grads, inner_state):
+    def skip(live, grads, inner_state):
         zeros = jax.tree.map(zeros_like_struct, out_shapes)
         return zeros, inner_state, (grads if clear_grads else None)
 
-    return lax.cond(pred, run, skip, grads, inner_state)
+    # `pred` goes in as an operand too: inside the running branch it is a
+    # `True` that XLA cannot fold (see `_token_after`).
+    return lax.cond(pred, run, skip, pred, grads, inner_state)
 
 
 def _outputs_reading_grads(jaxpr: Any, *, n_grads: int) -> list[int]:
     """Indices of the outputs (updates, then new state) of `step`'s jaxpr
-    whose value depends on the first `n_grads` inputs. Equations with inner
-    jaxprs pass every input's dependency to every output, which can only add
-    outputs."""
+    whose value depends on the first `n_grads` inputs, leaving out those that
+    another such output depends on (Adam's new moments, which its updates
+    read): an output computed after them is computed after their reads of
+    the inputs too. Equations with inner jaxprs pass every input's
+    dependency to every output, which can only add outputs."""
     reading = set(jaxpr.invars[:n_grads])
     for eqn in jaxpr.eqns:
         if any(isinstance(v, jex_core.Var) and v in reading for v in eqn.invars):
             reading.update(eqn.outvars)
-    return [
+    readers = [
         i
         for i, v in enumerate(jaxpr.outvars)
         if isinstance(v, jex_core.Var) and v in reading
     ]
+    # Which outputs each variable is computed from, one bit per output.
+    position = {}
+    for i, v in enumerate(jaxpr.outvars):
+        if isinstance(v, jex_core.Var):
+            position.setdefault(v, 0)
+            position[v] |= 1 << i
+    upstream: dict[Any, int] = {}
+    for eqn in jaxpr.eqns:
+        mask = 0
+        for v in eqn.invars:
+            if isinstance(v, jex_core.Var):
+                mask |= upstream.get(v, 0) | position.get(v, 0)
+        if mask:
+            for v in eqn.outvars:
+                upstream[v] = mask
+    behind = 0
+    for i in readers:
+        behind |= upstream.get(jaxpr.outvars[i], 0)
+    return [i for i in readers if not behind >> i & 1]
 
 
-def _zeros_after(grads: PyTree, done: list[jax.Array]) -> PyTree:
-    """Zeros shaped like `grads`, each computed as `where(all(done), 0, g)`:
-    elementwise from `g`, so XLA may write it over `g`, and after every flag
-    in `done` is, so after the reads of `g` that those flags follow. Where
-    `done` misses a reader XLA orders nothing and copies; the values are
-    zeros all the same."""
-    if not done:
+def _token_after(arrays: list[jax.Array], live: jax.Array) -> jax.Array | None:
+    """A scalar `True` that XLA cannot compute before every array of
+    `arrays` is: one element of each is read inside one `lax.cond` on
+    `live` (a traced `True`), which XLA compiles as a conditional. A fusion
+    cannot reach into a conditional, so the loops that produce the arrays
+    run, whole, before it, and every consumer reads its one scalar: one
+    small kernel for all the arrays, O(len(arrays)) compiled ops. (An
+    element read in the open is fused into the loop that produces the
+    array, which XLA then duplicates to compute that one element: no order.)
+    `None` when no array can be read: sharded (an element of it lives on one
+    device), empty or not numeric."""
+    arrays = [lax.stop_gradient(a) for a in arrays if _readable(a)]
+    if not arrays:
+        return None
+
+    def read(live, arrays):
+        # Each read is `and`ed with `live` (a parameter) first: with reads
+        # alone, XLA's reshape-mover sank the reads' reshapes down the chain
+        # of `and`s one step per simplification round, up to its limit of 25
+        # rounds, which doubled the compile time.
+        flags = [
+            jnp.logical_and(live, _always_true(a[(0,) * a.ndim])) for a in arrays
+        ]
+        return functools.reduce(jnp.logical_and, flags)
+
+    never = lambda live, _: jnp.zeros((), jnp.bool_)  # noqa: E731
+    return lax.cond(live, read, never, live, arrays)
+
+
+def _bits(dtype: Any) -> int | None:
+    """The width of one (real) element of `dtype`, where a bit cast to an
+    unsigned integer exists; `None` elsewhere (bool, int4, ...)."""
+    if jnp.issubdtype(dtype, jnp.inexact):
+        width = jnp.finfo(dtype).bits  # of the real part for complex dtypes
+    elif jnp.issubdtype(dtype, jnp.integer):
+        width = jnp.iinfo(dtype).bits
+    else:
+        return None
+    return width if width in (8, 16, 32, 64) else None
+
+
+def _readable(x: jax.Array) -> bool:
+    return jnp.size(x) > 0 and _bits(x.dtype) is not None and is_local(x)
+
+
+def _always_true(x: jax.Array) -> jax.Array:
+    """`True` computed from the bits of the scalar `x` (NaN included): a
+    comparison of `x` with itself would be folded away."""
+    width = _bits(x.dtype)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.real(x)
+    bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}"))
+    return (bits | 1) != 0
+
+
+def _zeros_after(grads: PyTree, done: jax.Array | None) -> PyTree:
+    """Zeros shaped like `grads`, each computed as `where(done, 0, g)`:
+    elementwise from `g`, so XLA may write it over `g`, and after `done` is,
+    so after the reads of `g` that `done` follows. Without `done` XLA orders
+    nothing and copies; the values are zeros all the same."""
+    if done is None:
         return jax.tree.map(jnp.zeros_like, grads)
-    flag = functools.reduce(jnp.logical_and, done)
-    return jax.tree.map(lambda g: jnp.where(flag, jnp.zeros_like(g), g), grads)
+    return jax.tree.map(lambda g: jnp.where(done, jnp.zeros_like(g), g), grads)
 
 
 def _updates_reading_old_state(
@@ -176,71 +244,35 @@ def _updates_reading_old_state(
     ]
 
 
-def _always_true(update: jax.Array) -> jax.Array | None:
-    """A scalar `True` that XLA cannot compute before `update` is: computed from
-    one element of it, read by a strided `reduce_window`, which XLA on CPU
-    does not fuse with the elementwise loop that produces `update` (a slice
-    would be fused, and that loop duplicated to produce one element). For a
-    small 1-D `update` (a bias of 64 entries; not one of 4096) XLA rewrites
-    the `reduce_window` and duplicates the loop all the same: the dependency
-    is lost and XLA copies the small buffer it guarded."""
-    dtype = update.dtype
-    if jnp.issubdtype(dtype, jnp.inexact):
-        width = jnp.finfo(dtype).bits  # of the real part for complex dtypes
-    elif jnp.issubdtype(dtype, jnp.integer):
-        width = jnp.iinfo(dtype).bits
-    else:
-        return None
-    if update.size == 0 or width not in (8, 16, 32, 64):
-        return None
-    if not is_local(update):
-        # One element of a sharded array lives on one device: reading it
-        # would cost a collective on every emitting step.
-        return None
-    # The flag is a bool: no gradient flows through it (and none can be
-    # asked of the bit cast below).
-    x = lax.stop_gradient(update)
-    if x.ndim:
-        x = lax.reduce_window(
-            x, jnp.zeros((), dtype), lax.add, (1,) * x.ndim, x.shape, "VALID"
-        ).reshape(())
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        x = jnp.real(x)
-    bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}"))
-    return (bits | 1) != 0  # true for every value, NaN included
-
-
 def _after(
-    updates: PyTree,
-    new_state: PyTree,
+    update_leaves: list[jax.Array],
+    state_leaves: list[jax.Array],
     readers: list[tuple[int, ...] | None],
-    flags: dict[int, jax.Array | None],
-) -> PyTree:
-    """`new_state`, each leaf that `readers` names given a data dependency on
-    the updates that read its old value: `where(true, new, 0)` with a `true`
-    computed from them, so XLA orders the reads before the write. `flags`
-    holds the flag of each update leaf already computed, by index, and is
-    filled in."""
-    update_leaves = jax.tree.leaves(updates)
-    leaves, treedef = jax.tree.flatten(new_state)
-    out = []
-    for leaf, reads in zip(leaves, readers, strict=True):
-        if (
-            reads
-            and jnp.size(leaf)
-            and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-        ):
-            preds = []
-            for j in reads:
-                if j not in flags:
-                    flags[j] = _always_true(update_leaves[j])
-                if flags[j] is not None:
-                    preds.append(flags[j])
-            if preds:
-                pred = functools.reduce(jnp.logical_and, preds)
-                leaf = cast_like(jnp.where(pred, leaf, jnp.zeros_like(leaf)), leaf)
-        out.append(leaf)
-    return jax.tree.unflatten(treedef, out)
+    live: jax.Array,
+) -> list[jax.Array]:
+    """`state_leaves`, each leaf that `readers` names given a data dependency
+    on the updates that read its old value: `where(token, new, 0)` with one
+    `token` computed after all those updates (`_token_after`), so XLA orders
+    the reads before the write and may write the new value in place. The
+    select fuses into the loop that computes the new value."""
+    needs = [
+        i
+        for i, (leaf, reads) in enumerate(zip(state_leaves, readers, strict=True))
+        if reads
+        and jnp.size(leaf)
+        and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    ]
+    if not needs:
+        return list(state_leaves)
+    read = sorted({j for i in needs for j in readers[i] or ()})
+    token = _token_after([update_leaves[j] for j in read], live)
+    if token is None:
+        return list(state_leaves)
+    out = list(state_leaves)
+    for i in needs:
+        leaf = out[i]
+        out[i] = cast_like(jnp.where(token, leaf, jnp.zeros_like(leaf)), leaf)
+    return out
 
 
 def conform_state(new: PyTree, old: PyTree) -> PyTree:
