@@ -1,6 +1,7 @@
 """Optax gradient transformations that keep working when composed."""
 
 from ._inject import inject_hyperparams as inject_hyperparams
+from ._microbatched import microbatched as microbatched
 from ._multi_steps import MultiSteps as MultiSteps
 from ._skip_when import skip_when as skip_when
 from ._stop_gradient import stop_gradient_where as stop_gradient_where
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MultiSteps",
     "inject_hyperparams",
+    "microbatched",
     "skip_when",
     "stop_gradient_where",
     "zero_nans",
