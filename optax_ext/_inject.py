@@ -23,7 +23,15 @@ import optax
 
 from ._sharding import mirror_param_sharding
 from ._static import ConfigKey, Method, config_key
-from ._tree import as_weak, saturating_increment, trainable
+from ._tree import (
+    as_weak,
+    describe_value,
+    fill_scalar_gaps,
+    is_weak,
+    optimisable,
+    restore_none,
+    saturating_increment,
+)
 
 _STATIC, _NUMERIC, _SCHEDULE, _STATEFUL = "static", "numeric", "schedule", "stateful"
 
@@ -83,9 +91,45 @@ def _is_int(value: Any) -> bool:
     )
 
 
+def _type_args(annotation: Any) -> list[Any]:
+    """Every type named inside an annotation (`Union` and generics unpacked)."""
+    found = [annotation]
+    for arg in typing.get_args(annotation):
+        if not isinstance(arg, list):
+            found.extend(_type_args(arg))
+    return found
+
+
+def _rejects_str(param: inspect.Parameter) -> bool:
+    """Whether the factory's signature says this parameter is a number (or a
+    schedule), not a string: its annotation names types but neither `str` nor
+    `Any`, or it has no annotation and a number as its default."""
+    annotation = param.annotation
+    if annotation is param.empty or isinstance(annotation, str):
+        default = param.default
+        return isinstance(default, (int, float)) and not isinstance(default, bool)
+    types = _type_args(annotation)
+    return not any(t is str or t is typing.Any or t is object for t in types)
+
+
+class _ArgumentError(TypeError):
+    """A bad argument, reported by us: `init`'s abstract trial lets it through."""
+
+
+class _ArgumentValueError(ValueError):
+    """A bad argument value, reported by us (see `_ArgumentError`)."""
+
+
 def _classify(name: str, value: Any, param: inspect.Parameter, static: set[str]) -> str:
     if name in static or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
         return _STATIC
+    if isinstance(value, str) and _rejects_str(param):
+        raise _ArgumentError(
+            f"{name}={value!r} is a string, but the factory takes a number, an "
+            f"array or a schedule there (its annotation: {param.annotation}, its "
+            f"default: {param.default}). Pass a number, e.g. {name}=0.1, not "
+            "its text."
+        )
     if (
         value is None
         or isinstance(value, (bool, np.bool_, str))
@@ -109,20 +153,31 @@ def _classify(name: str, value: Any, param: inspect.Parameter, static: set[str])
     return _STATIC
 
 
-def _as_hyperparam(value: Any, dtype: Any, weak: bool) -> jax.Array:
-    """A numeric hyperparameter as it is stored and handed to the factory.
+def _given_weak(value: Any) -> bool:
+    """A Python number, or an array that promotes like one (weakly typed)."""
+    return type(value) in (int, float, complex) or is_weak(value)
 
-    `weak` is decided once per name: true for hyperparameters given as Python
-    numbers or schedules. Those are made weakly typed on every step, so they
-    promote exactly as the Python float given to the bare factory would, even
-    after a checkpoint round trip has made them strong. Arrays the user typed
-    explicitly keep their dtype. `dtype`, if given, is applied to floating
-    values, as optax does.
-    """
-    array = jnp.asarray(value)
-    if dtype is not None and jnp.issubdtype(array.dtype, jnp.floating):
-        return array.astype(dtype)
-    return as_weak(array) if weak else array
+
+def _check_hyperparam_dtype(dtype: Any) -> Any:
+    if dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError as error:
+        raise TypeError(
+            f"hyperparam_dtype must be a floating dtype such as jnp.float32 or "
+            f"None, got {dtype!r}."
+        ) from error
+    if not jnp.issubdtype(dtype, jnp.floating):
+        # optax casts every floating hyperparameter to it: learning_rate=0.1
+        # becomes 0 in int32, and the updates are silently zero.
+        raise ValueError(
+            f"hyperparam_dtype must be a floating dtype (it is applied to the "
+            f"floating hyperparameters, which {dtype} cannot hold: 0.1 would "
+            f"become {np.asarray(0.1).astype(dtype)!r}); got {dtype}. Use "
+            "e.g. jnp.float32, or None to keep each hyperparameter's dtype."
+        )
+    return dtype
 
 
 def inject_hyperparams(
@@ -198,6 +253,13 @@ def inject_hyperparams(
     state.hyperparams["weight_decay"] = 1e-2  # takes effect at the next update
     ```
     """
+    if not callable(inner_factory):
+        raise TypeError(
+            "inner_factory must be a function returning an "
+            f"optax.GradientTransformation, such as optax.adam; got "
+            f"{describe_value(inner_factory)}."
+        )
+    hyperparam_dtype = _check_hyperparam_dtype(hyperparam_dtype)
     static = {static_args} if isinstance(static_args, str) else set(static_args)
     try:  # resolve `from __future__ import annotations` strings if possible
         signature = inspect.signature(inner_factory, eval_str=True)
@@ -231,7 +293,16 @@ def inject_hyperparams(
 class _Injection:
     """One call of a wrapped factory: its arguments, sorted by kind, and the
     `init` and `update` functions built from them. Two injections compare
-    equal when built from the same factory and equal arguments."""
+    equal when built from the same factory and equal arguments.
+
+    A numeric hyperparameter lives in two forms. In `state.hyperparams` it is
+    *stored* as a strongly typed array of a fixed dtype, so that the state's
+    avals survive a checkpoint round trip (serialisation forgets weak types:
+    a weak state would come back strong and retrace the train step). Where it
+    is *handed* to the factory, a hyperparameter given as a Python number (or
+    a weakly typed array, or a schedule returning one) is made weakly typed,
+    so that it promotes as the Python number given to the bare factory would.
+    """
 
     def __init__(
         self,
@@ -249,15 +320,14 @@ class _Injection:
         }
         self.passed = {n: v for n, v in arguments.items() if kinds[n] == _STATIC}
         self.numeric = {n: v for n, v in arguments.items() if kinds[n] == _NUMERIC}
-        # Given as Python numbers: made weak on every step (see _as_hyperparam).
-        self.weak = {
-            n for n, v in self.numeric.items() if type(v) in (int, float, complex)
-        }
+        self.weak = {n for n, v in self.numeric.items() if _given_weak(v)}
         self.schedules = {
             n: v if kinds[n] == _STATEFUL else optax.schedules.WrappedSchedule(v)
             for n, v in arguments.items()
             if kinds[n] in (_SCHEDULE, _STATEFUL)
         }
+        # Numbers `init` found the factory cannot take traced (`_traceable`).
+        self.untraceable: set[str] = set()
         self._key = (
             config_key(factory, dtype, tuple(sorted(static))),
             tuple((n, ConfigKey(v)) for n, v in arguments.items()),
@@ -269,32 +339,112 @@ class _Injection:
     def __hash__(self) -> int:
         return hash(self._key)
 
+    @property
+    def _name(self) -> str:
+        return getattr(self.factory, "__name__", repr(self.factory))
+
     def _build(
         self, hyperparams: dict[str, Any]
     ) -> optax.GradientTransformationExtraArgs:
         call = inspect.BoundArguments(self.signature, self.arguments.copy())  # type: ignore[arg-type]
         call.arguments.update(hyperparams)
         call.arguments.update(self.passed)
-        return optax.with_extra_args_support(self.factory(*call.args, **call.kwargs))
+        tx = self.factory(*call.args, **call.kwargs)
+        if not (
+            callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
+        ):
+            raise _ArgumentError(
+                f"inner_factory {self._name} returned {describe_value(tx)}; "
+                "inject_hyperparams expects it to return an "
+                "optax.GradientTransformation (an object with init and update), "
+                "as optax.adam does."
+            )
+        return optax.with_extra_args_support(tx)
+
+    # -- the two forms of a hyperparameter ----------------------------------
+
+    def _storage_dtype(self, name: str, value: jax.Array) -> Any:
+        """The dtype a hyperparameter is stored in: `hyperparam_dtype` for a
+        floating one if given, else the dtype of the value as given
+        (float32 for a Python float; float64 under x64)."""
+        if self.dtype is not None and jnp.issubdtype(value.dtype, jnp.floating):
+            return self.dtype
+        return value.dtype
+
+    def _store(self, name: str, value: Any, dtype: Any, where: str) -> jax.Array:
+        """`value` as a strongly typed array of `dtype`; a cast to another
+        kind (a float into an int hyperparameter) is refused: it would change
+        the value silently."""
+        array = jnp.asarray(value)
+        if array.dtype != dtype and not jnp.can_cast(
+            array.dtype, dtype, casting="same_kind"
+        ):
+            raise _ArgumentError(
+                f"{where} holds {describe_value(array)}, but {name} is a "
+                f"{dtype} hyperparameter (fixed by the value given to "
+                f"{self._name}: {self.arguments[name]!r}); casting would change "
+                f"the value. Write a {dtype} value, or build the optimizer with "
+                f"{name} given as a value of the dtype you need."
+            )
+        return jnp.asarray(array, dtype)  # strong: no weak type to lose
+
+    def _hand(self, name: str, stored: jax.Array, weak: bool) -> jax.Array:
+        """A stored hyperparameter as the factory receives it."""
+        if self.dtype is not None and jnp.issubdtype(stored.dtype, jnp.floating):
+            return stored  # hyperparam_dtype: strong, as optax hands it
+        return as_weak(stored) if weak else stored
+
+    def _schedule_value(self, name: str, schedule: Any, state: Any, **extra):
+        value = schedule(state, **extra)
+        if value is None or isinstance(value, str) or not (
+            isinstance(value, (numbers.Number, np.ndarray, np.generic, jax.Array))
+        ):
+            raise _ArgumentError(
+                f"The schedule given as {name} returned {describe_value(value)}; "
+                "a schedule must return a scalar number (a Python number or a "
+                "0-d array) for each step count."
+            )
+        array = jnp.asarray(value)
+        if array.shape != ():
+            raise _ArgumentValueError(
+                f"The schedule given as {name} returned {describe_value(array)}; "
+                "a schedule must return a scalar (shape ()) for each step count."
+            )
+        if not jnp.issubdtype(array.dtype, jnp.number):
+            raise _ArgumentError(
+                f"The schedule given as {name} returned {describe_value(array)}; "
+                "a schedule must return a number (int, float or complex)."
+            )
+        return self._store(name, array, self._storage_dtype(name, array), name)
 
     def _hyperparams(
         self,
         numeric: dict[str, Any],
         schedule_states: dict[str, Any],
+        where: str,
         **extra_args: Any,
-    ) -> dict[str, Any]:
-        # Only the names in `numeric` are injected: `init` leaves out those
-        # the factory cannot take traced (see `_traceable`), and `update`
-        # follows the state.
-        hyperparams = {
-            n: _as_hyperparam(numeric[n], self.dtype, weak=n in self.weak)
-            for n in self.numeric
-            if n in numeric
-        }
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The stored and the handed form of every injected hyperparameter.
+
+        Only the names in `numeric` are injected: `init` leaves out those the
+        factory cannot take traced (see `_traceable`), and `update` follows
+        the state.
+        """
+        stored, handed = {}, {}
+        for n, given in self.numeric.items():
+            if n not in numeric:
+                continue
+            dtype = self._storage_dtype(n, jnp.asarray(given))
+            stored[n] = self._store(n, numeric[n], dtype, f"{where}[{n!r}]")
+            handed[n] = self._hand(n, stored[n], n in self.weak)
         for n, schedule in self.schedules.items():
-            value = schedule(schedule_states[n], **extra_args)
-            hyperparams[n] = _as_hyperparam(value, self.dtype, weak=True)
-        return hyperparams
+            stored[n] = self._schedule_value(
+                n, schedule, schedule_states[n], **extra_args
+            )
+            # Always weak: the bare factory casts a schedule's value to each
+            # update's dtype (`optax.scale_by_schedule`), as a weak value is.
+            handed[n] = self._hand(n, stored[n], weak=True)
+        return stored, handed
 
     def _traceable(self, params: Any) -> dict[str, Any]:
         """The numeric hyperparameters the factory accepts as traced values.
@@ -308,37 +458,90 @@ class _Injection:
         """
 
         def trial(names: Iterable[str]) -> bool:
-            def run(traced):
-                tx = self._build(traced)
+            def run(numeric):
+                _, handed = self._hyperparams(numeric, schedule_states, "arguments")
+                tx = self._build(handed)
                 state = tx.init(params)
                 return tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
 
-            values = {
-                n: _as_hyperparam(self.numeric[n], self.dtype, n in self.weak)
-                for n in names
-            }
             try:
-                jax.eval_shape(run, values)
+                jax.eval_shape(run, {n: self.numeric[n] for n in names})
             except jax.errors.ConcretizationTypeError:
                 return False
+            except (_ArgumentError, _ArgumentValueError):
+                raise  # our own report on a bad argument
             except Exception:  # noqa: BLE001 - e.g. an update that needs `value=`:
                 return True  # not ours to judge; the real call will say
             return True
 
+        schedule_states = {n: s.init() for n, s in self.schedules.items()}
         if not self.numeric or trial(self.numeric):
             return dict(self.numeric)
-        return {n: v for n, v in self.numeric.items() if trial([n])}
+        traceable = {n: v for n, v in self.numeric.items() if trial([n])}
+        self.untraceable = set(self.numeric) - set(traceable)
+        return traceable
+
+    def _check_masks(self, params: Any) -> None:
+        """A mask argument must fit the params (optax.masked would fail deep
+        inside the factory's init, naming neither the mask nor the params)."""
+        for name, mask in self.passed.items():
+            if not _is_mask_name(name) or mask is None:
+                continue
+            tree = mask
+            if callable(mask) and jax.tree.leaves(mask) == [mask]:
+                tree = mask(params)  # a function params -> mask
+            try:
+                jax.tree.map(lambda m, *_: m, tree, params)
+            except (ValueError, TypeError) as error:
+                raise _ArgumentValueError(
+                    f"{name} does not match the params given to init: the mask "
+                    f"has the structure {jax.tree.structure(tree)}, the params "
+                    f"{jax.tree.structure(params)} ({error}). {name} must be a "
+                    "tree of bools with the structure of the params (or a prefix "
+                    "of it), or a function params -> such a tree."
+                ) from None
+
+    def _check_names(self, hyperparams: Any) -> None:
+        """A name written into `state.hyperparams` that is not injected would
+        be ignored silently (optax ignores it): refuse it."""
+        unknown = sorted(set(hyperparams) - set(self.numeric) - set(self.schedules))
+        written_untraceable = sorted(set(hyperparams) & self.untraceable)
+        if not (unknown or written_untraceable):
+            return
+        static = sorted(set(self.passed) & set(unknown))
+        raise KeyError(
+            f"state.hyperparams holds {unknown or written_untraceable}, which "
+            f"{self._name} does not take as an injected hyperparameter: the "
+            f"injected ones are {sorted(set(self.numeric) - self.untraceable)} "
+            f"and the schedules {sorted(self.schedules)}"
+            + (
+                f"; {static} are passed to the factory unchanged (static)"
+                if static
+                else ""
+            )
+            + (
+                f"; {written_untraceable} are numbers the factory branches on "
+                "in Python, passed through unchanged"
+                if written_untraceable
+                else ""
+            )
+            + ". A value written there would be ignored. Give the value when "
+            "building the optimizer instead."
+        )
 
     def init(self, params: Any) -> optax.InjectStatefulHyperparamsState:
-        params = trainable(params)
+        params = optimisable(params)
+        self._check_masks(params)
         schedule_states = {n: s.init() for n, s in self.schedules.items()}
-        hyperparams = self._hyperparams(self._traceable(params), schedule_states)
+        stored, handed = self._hyperparams(
+            self._traceable(params), schedule_states, "arguments"
+        )
         return optax.InjectStatefulHyperparamsState(
             count=jnp.zeros((), jnp.int32),
-            hyperparams=hyperparams,
+            hyperparams=stored,
             hyperparams_states=schedule_states,
             inner_state=mirror_param_sharding(
-                self._build(hyperparams).init(params), params
+                self._build(handed).init(params), params
             ),
         )
 
@@ -349,22 +552,32 @@ class _Injection:
         params: Any = None,
         **extra_args: Any,
     ) -> tuple[Any, optax.InjectStatefulHyperparamsState]:
+        if not isinstance(state, optax.InjectStatefulHyperparamsState):
+            raise TypeError(
+                f"state must be the optax.InjectStatefulHyperparamsState "
+                f"returned by this optimizer's init or update; got "
+                f"{describe_value(state)}."
+            )
+        self._check_names(state.hyperparams)
         if params is not None:
-            params = trainable(params)
-        hyperparams = self._hyperparams(
-            state.hyperparams, state.hyperparams_states, **extra_args
+            params = optimisable(params)
+        stored, handed = self._hyperparams(
+            state.hyperparams,
+            state.hyperparams_states,
+            "state.hyperparams",
+            **extra_args,
         )
         schedule_states = {
             n: s.update(state.hyperparams_states[n], **extra_args)
             for n, s in self.schedules.items()
         }
-        updates, inner_state = self._build(hyperparams).update(
-            updates, state.inner_state, params, **extra_args
+        new_updates, inner_state = self._build(handed).update(
+            fill_scalar_gaps(updates, params), state.inner_state, params, **extra_args
         )
         count = saturating_increment(state.count)
-        return updates, optax.InjectStatefulHyperparamsState(
+        return restore_none(updates, new_updates), optax.InjectStatefulHyperparamsState(
             count=count.astype(jnp.int32),
-            hyperparams=hyperparams,
+            hyperparams=stored,
             hyperparams_states=schedule_states,
             inner_state=inner_state,
         )

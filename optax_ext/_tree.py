@@ -156,3 +156,62 @@ def as_weak(x: jax.Array) -> jax.Array:
     else:
         return x
     return cast_like(x, jnp.asarray(python_zero))
+
+
+def is_python_scalar(x: Any) -> bool:
+    """A Python `float` or `complex` (not `bool` or `int`): `jax.grad` gives it
+    a gradient and optax keeps optimizer state for it."""
+    return isinstance(x, (float, complex))
+
+
+def optimisable(tree: PyTree) -> PyTree:
+    """`trainable(tree)`, except that Python `float` and `complex` leaves are
+    kept, as optax keeps them: `optax.adam(...).init({"s": 0.5})` has a moment
+    for `s` and `jax.grad` gives `s` a gradient."""
+    return jax.tree.map(
+        lambda x: x if eqx.is_inexact_array(x) or is_python_scalar(x) else None, tree
+    )
+
+
+def fill_scalar_gaps(updates: PyTree, params: PyTree) -> PyTree:
+    """`updates` with a zero where it holds `None` and `params` a Python scalar.
+
+    `optimisable` gives such a param a state entry (as optax does), but
+    `eqx.filter_grad` gives it a `None` gradient (an Equinox model's `float`
+    field). The zero keeps the trees the inner optimizer maps over aligned;
+    the caller puts the `None` back with `restore_none`. Trees that do not
+    line up are returned unchanged, for the inner optimizer to judge.
+    """
+    if params is None:
+        return updates
+    try:
+        return jax.tree.map(
+            lambda u, p: jnp.zeros_like(p) if u is None and is_python_scalar(p) else u,
+            updates,
+            params,
+            is_leaf=_is_none,
+        )
+    except (ValueError, TypeError):
+        return updates
+
+
+def restore_none(original: PyTree, new: PyTree) -> PyTree:
+    """`new` with `None` wherever `original` (the incoming updates) had it."""
+    if not any(x is None for x in jax.tree.leaves(original, is_leaf=_is_none)):
+        return new
+    try:
+        return jax.tree.map(
+            lambda o, n: None if o is None else n, original, new, is_leaf=_is_none
+        )
+    except (ValueError, TypeError):
+        return new
+
+
+def describe_value(value: Any) -> str:
+    """A short description of a value for an error message."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} (a {type(value).__name__})"
