@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-
-from ._tree import trainable
 
 
 def _found_nan(update: jax.Array) -> jax.Array:
@@ -27,9 +26,26 @@ def _zero_nan(update: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(update), 0, update)
 
 
+def _is_key(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _tracked(x) -> bool:
+    """A params leaf that gets a `found_nan` entry: any numeric array or Python
+    number, as optax gives one (integer leaves included: they record False).
+    Functions, other objects and PRNG keys get `None`, as `eqx.filter_grad`
+    gives `None` for them."""
+    if isinstance(x, (bool, int, float, complex)):
+        return True
+    return eqx.is_array(x) and not _is_key(x)
+
+
 def _init(params):
     return optax.ZeroNansState(
-        found_nan=jax.tree.map(lambda _: jnp.zeros((), jnp.bool_), trainable(params))
+        found_nan=jax.tree.map(
+            lambda x: jnp.zeros((), jnp.bool_) if _tracked(x) else None, params
+        )
     )
 
 
@@ -37,17 +53,31 @@ def _found_nan_like(update, previous):
     """One leaf of the new state: it follows the state's structure, fixed at
     `init`, so that the state keeps its avals whatever the updates hold."""
     if previous is None:
-        return None  # not a trainable leaf of the params
+        return None  # not a numeric leaf of the params
     if update is None:
-        return jnp.zeros((), jnp.bool_)  # a trainable leaf with no gradient
+        return jnp.zeros((), jnp.bool_)  # a numeric leaf with no gradient
     return _found_nan(update)
+
+
+def _found_nans(updates, state):
+    """`found_nan` in the structure of the state `init` built, or, where there
+    is none to follow (optax ignores the state: `update(g, None)` works, and
+    so do updates of another tree), in the structure of the updates, as
+    optax builds it."""
+    previous = getattr(state, "found_nan", None) if state is not None else None
+    if previous is not None or isinstance(state, optax.ZeroNansState):
+        try:
+            return jax.tree.map(
+                _found_nan_like, updates, previous, is_leaf=lambda x: x is None
+            )
+        except (ValueError, TypeError):
+            pass  # another tree than init's: as optax, follow the updates
+    return jax.tree.map(_found_nan, updates)
 
 
 def _update(updates, state, params=None):
     del params
-    found_nan = jax.tree.map(
-        _found_nan_like, updates, state.found_nan, is_leaf=lambda x: x is None
-    )
+    found_nan = _found_nans(updates, state)
     return jax.tree.map(_zero_nan, updates), optax.ZeroNansState(found_nan)
 
 
@@ -67,11 +97,16 @@ def zero_nans() -> optax.GradientTransformation:
       avals never change from step to step (a changing state makes
       `lax.cond`, `lax.scan` and `jax.jit` callers fail or recompile);
     - `None` leaves (Equinox gradients of non-array fields), `optax.MaskedNode`,
-      integer leaves and empty trees are accepted. The state's structure is
-      fixed by `init`: params leaves that are not floating arrays (an Equinox
-      model's activation functions, integer buffers, keys) get `None`, as
-      `eqx.filter_grad` gives `None` for them, and a `None` update of a
-      floating leaf records `False`.
+      integer leaves, Python numbers and empty trees are accepted, with
+      optax's results. The state's structure is fixed by `init`: every
+      numeric params leaf (a floating, integer or bool array, or a Python
+      number) gets a `found_nan` entry, as in optax; a leaf that is not a
+      number (an Equinox model's activation functions, a PRNG key) gets
+      `None`, as `eqx.filter_grad` gives `None` for it, and a `None` update of
+      a numeric leaf records `False`;
+    - the state is only a template for the new one, as optax ignores it:
+      `update(updates, None)` works, and updates whose tree differs from the
+      params' get a `found_nan` in the updates' structure, as in optax.
 
     Two `zero_nans()` compare equal, so a jitted step that takes the
     optimizer as a static argument does not recompile for a new one.

@@ -145,3 +145,101 @@ def test_python_scalar_updates():
     tx = optax_ext.zero_nans()
     out, state = tx.update({"a": nan, "b": 2.0}, tx.init({"a": 0.0, "b": 0.0}))
     assert float(out["a"]) == 0.0 and float(out["b"]) == 2.0
+
+
+def _assert_same_as_optax(ours, theirs):
+    """Same tree, avals (dtype, shape, weak type) and values, NaN included."""
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    assert avals(ours) == avals(theirs)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+UPDATES = {"w": jnp.array([nan, 1.0, inf]), "s": nan, "i": 3, "k": jnp.arange(2)}
+
+
+def test_update_ignores_a_none_state_as_optax_does():
+    """Issue 13: `zero_nans().update(g, None)` crashed; optax ignores the state."""
+    ours = optax_ext.zero_nans().update(UPDATES, None)
+    theirs = optax.zero_nans().update(UPDATES, None)
+    _assert_same_as_optax(ours, theirs)
+    assert bool(ours[1].found_nan["w"]) and bool(ours[1].found_nan["s"])
+
+
+def test_updates_of_another_tree_than_init_as_optax():
+    """Issue 13: updates whose tree differs from init's raised a raw pytree
+    error; optax builds the state from the updates."""
+    params = {"w": jnp.zeros(3), "extra": jnp.zeros(1)}
+    ours, theirs = optax_ext.zero_nans(), optax.zero_nans()
+    for updates in [UPDATES, [jnp.array([nan])], jnp.array([1.0, nan])]:
+        _assert_same_as_optax(
+            ours.update(updates, ours.init(params)),
+            theirs.update(updates, theirs.init(params)),
+        )
+        _assert_same_as_optax(
+            jax.jit(ours.update)(updates, ours.init(params)),
+            jax.jit(theirs.update)(updates, theirs.init(params)),
+        )
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_python_scalar_and_integer_leaves_as_optax(jit):
+    """Issue 13: Python float and int leaves and integer arrays are accepted
+    where optax accepts them, with optax's results: the same updates (dtype
+    and weak type included) and the same state, from init on."""
+    params = {"w": jnp.zeros(3), "s": 0.5, "i": 2, "k": jnp.zeros(2, jnp.int32)}
+    ours, theirs = optax_ext.zero_nans(), optax.zero_nans()
+    init = (jax.jit(ours.init) if jit else ours.init)(params)
+    _assert_same_as_optax(init, theirs.init(params))
+    update = jax.jit(ours.update) if jit else ours.update
+    _assert_same_as_optax(
+        update(UPDATES, init), theirs.update(UPDATES, theirs.init(params))
+    )
+
+
+def test_state_keeps_init_structure_for_equinox_gradients():
+    """Where the updates have None for a numeric leaf the state still records
+    False there, so it keeps init's structure (a scan carry)."""
+    params = {"w": jnp.zeros(2), "i": jnp.zeros(2, jnp.int32), "f": jax.nn.relu}
+    tx = optax_ext.zero_nans()
+    state = tx.init(params)
+    assert state.found_nan["f"] is None
+    _, new_state = tx.update({"w": jnp.array([nan, 0.0]), "i": None, "f": None}, state)
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    assert avals(new_state) == avals(state)
+    assert bool(new_state.found_nan["w"]) and not bool(new_state.found_nan["i"])
+
+
+X64 = ["float64", "complex128", "int64"]
+
+
+@settings(max_examples=15)
+@given(
+    dtype=st.sampled_from(X64),
+    shape=st.sampled_from([(), (3,), (2, 2)]),
+    seed=st.integers(0, 2**16),
+)
+def test_x64_dtypes_match_hand_reference_and_optax(dtype, shape, seed):
+    """float64, complex128 and int64 under x64 (jax.enable_x64): NaN -> 0 by
+    hand in numpy, every other entry bit for bit, and optax's result."""
+    rng = np.random.default_rng(seed)
+    values = rng.choice([nan, inf, -inf, 0.0, 1e-300, -2.5], size=shape)
+    with jax.enable_x64(True):
+        if dtype == "int64":
+            leaf = jnp.asarray(rng.integers(-(2**40), 2**40, size=shape), dtype)
+        elif dtype == "complex128":
+            z = values.astype(np.complex128)
+            z.imag = rng.choice([nan, inf, 0.0, 3.0], size=shape)
+            leaf = jnp.asarray(z, dtype)
+        else:
+            leaf = jnp.asarray(values, dtype)
+        updates = {"a": leaf, "p": 1e-300}  # a Python float: weak float64
+        ours = optax_ext.zero_nans()
+        out, state = jax.jit(ours.update)(updates, ours.init(updates))
+        theirs = optax.zero_nans()
+        _assert_same_as_optax((out, state), theirs.update(updates, theirs.init(updates)))
+        want, want_nan = _reference(np.asarray(leaf))
+        assert out["a"].dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(out["a"]), want)
+        assert bool(state.found_nan["a"]) == want_nan
+        assert float(out["p"]) == 1e-300 and out["p"].dtype == jnp.float64
