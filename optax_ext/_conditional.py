@@ -54,8 +54,9 @@ def update_if(
     `grads`, so XLA may write them over `grads` (an accumulator reset in its
     own buffer). A state leaf whose old value the updates read directly
     (Lion's `mu`) is likewise ordered after those updates, so its new value
-    may be written over the old one. Both orderings go through one
-    `lax.optimization_barrier` each (see `docs/design.md`).
+    may be written over the old one. Both orderings read one element of
+    each array they follow, in one small conditional (`_token_after`): O(leaves)
+    compiled ops (see `docs/design.md`).
     """
 
     def step(grads, inner_state):
@@ -152,17 +153,23 @@ def _token_after(arrays: list[jax.Array], live: jax.Array) -> jax.Array | None:
         return None
 
     def read(live, arrays):
-        # Each read is `and`ed with `live` (a parameter) first: with reads
-        # alone, XLA's reshape-mover sank the reads' reshapes down the chain
-        # of `and`s one step per simplification round, up to its limit of 25
-        # rounds, which doubled the compile time.
+        # XLA's reshape-mover sinks a reshape through elementwise ops one op
+        # per simplification round: each flag is computed on a one-element
+        # slice and reshaped to a scalar last, where it meets `live` (a
+        # parameter, which stops the sinking), so no round moves anything.
         flags = [
-            jnp.logical_and(live, _always_true(a[(0,) * a.ndim])) for a in arrays
+            jnp.logical_and(live, _always_true(_first(a)).reshape(()))
+            for a in arrays
         ]
         return functools.reduce(jnp.logical_and, flags)
 
     never = lambda live, _: jnp.zeros((), jnp.bool_)  # noqa: E731
     return lax.cond(live, read, never, live, arrays)
+
+
+def _first(x: jax.Array) -> jax.Array:
+    """The first element of `x`, kept in its `(1, ..., 1)` shape."""
+    return lax.slice(x, (0,) * x.ndim, (1,) * x.ndim)
 
 
 def _bits(dtype: Any) -> int | None:
@@ -182,8 +189,8 @@ def _readable(x: jax.Array) -> bool:
 
 
 def _always_true(x: jax.Array) -> jax.Array:
-    """`True` computed from the bits of the scalar `x` (NaN included): a
-    comparison of `x` with itself would be folded away."""
+    """`True` for each element of `x`, computed from its bits (NaN included):
+    a comparison of `x` with itself would be folded away."""
     width = _bits(x.dtype)
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         x = jnp.real(x)
