@@ -9,7 +9,7 @@ import optax
 
 from ._conditional import check_transformation, update_if
 from ._static import Method, config_key
-from ._tree import trainable
+from ._tree import fill_scalar_gaps, optimisable, restore_none
 
 PyTree = Any
 
@@ -32,32 +32,30 @@ class _SkipWhen:
         return hash(self._key)
 
     def init(self, params: PyTree) -> PyTree:
-        return self.inner.init(trainable(params))
+        return self.inner.init(optimisable(params))
 
     def update(
         self, updates: PyTree, state: PyTree, params: PyTree = None, **extra_args: Any
     ) -> tuple[PyTree, PyTree]:
-        if self.flag not in extra_args:
-            raise TypeError(
-                f"skip_when needs the keyword argument {self.flag}=<scalar bool> in "
-                f"update; got {sorted(extra_args) or 'none'}."
-            )
-        skip = jnp.asarray(extra_args.pop(self.flag))
+        # Without the flag the step is not skipped: callers that pass no
+        # extra arguments (flax's TrainState.apply_gradients) run `inner`.
+        skip = jnp.asarray(extra_args.pop(self.flag, False))
         if skip.dtype != jnp.bool_ or skip.shape != ():
             raise TypeError(
                 f"skip_when: {self.flag} must be a scalar bool, got dtype "
                 f"{skip.dtype} and shape {skip.shape}."
             )
         if params is not None:
-            params = trainable(params)
+            params = optimisable(params)
+        filled = fill_scalar_gaps(updates, params)
 
         def inner_update(grads, inner_state):
             return self.inner.update(grads, inner_state, params, **extra_args)
 
         new_updates, new_state, _ = update_if(
-            jnp.logical_not(skip), inner_update, updates, state
+            jnp.logical_not(skip), inner_update, filled, state
         )
-        return new_updates, new_state
+        return restore_none(updates, new_updates), new_state
 
 
 def skip_when(
@@ -68,7 +66,10 @@ def skip_when(
     The optimizer-side counterpart of `stop_gradient_where`: the decision is a
     traced bool passed to `update` as a keyword argument (through
     `optax.chain`, which forwards extra arguments), so a jitted step compiles
-    once for both outcomes. On a skipped step the updates are exact zeros in
+    once for both outcomes. The flag is optional: an `update` called without
+    it (as flax's `TrainState.apply_gradients` calls it) is not skipped, and
+    `inner` runs as if unwrapped. Mind its spelling: a misspelt keyword is
+    forwarded to `inner` like any other extra argument, and does not skip. On a skipped step the updates are exact zeros in
     the inner updates' dtype and the inner state is returned untouched; on
     other steps `inner` runs as usual. The state is `inner`'s own, so
     wrapping changes no checkpoint.
@@ -83,7 +84,9 @@ def skip_when(
     **Arguments:**
 
     - `inner`: the optimizer to skip, an `optax.GradientTransformation`.
-    - `flag`: the name of the keyword argument of `update` that decides.
+    - `flag`: the name of the keyword argument of `update` that decides: a
+      scalar bool, `True` to skip the step. Default when `update` is called
+      without it: `False` (the step is not skipped).
 
     **Returns:**
 
