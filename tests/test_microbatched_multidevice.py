@@ -1,0 +1,201 @@
+"""`microbatched` with the batch sharded over 8 CPU devices: the whole batch's
+gradients, no movement of the batch between devices, and one all-reduce of
+the gradients per call, after the loop (compiled HLO).
+
+Needs `XLA_FLAGS=--xla_force_host_platform_device_count=8` before JAX starts:
+`test_multidevice_runner.py` runs these in a process of their own, or run
+them directly with that flag and `pytest -m multidevice`.
+"""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import hlo_computations
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_ext
+
+pytestmark = pytest.mark.multidevice
+
+K = 4
+N = 256  # 32 rows per device, 8 per device per micro-batch
+
+
+def _problem():
+    kw, kv, kx, ky = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "w": jax.random.normal(kw, (16, 32)) / 4,
+        "v": jax.random.normal(kv, (32,)) / 6,
+    }
+    batch = (jax.random.normal(kx, (N, 16)), jax.random.normal(ky, (N,)))
+    return params, batch
+
+
+def loss(params, batch):
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2)
+
+
+def eqx_loss_aux(model, batch):
+    x, y = batch
+    pred = jax.vmap(model)(x)[:, 0]
+    return jnp.mean((pred - y) ** 2), {"mean_pred": jnp.mean(pred)}
+
+
+def _f64(tree):
+    return jax.tree.map(
+        lambda x: x.astype(jnp.float64) if eqx.is_inexact_array(x) else x, tree
+    )
+
+
+def _assert_close(got, want):
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        w = np.asarray(w)
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(
+            np.asarray(g), w, rtol=1e-5, atol=1e-6 * float(np.abs(w).max())
+        )
+
+
+def _loop_computations(comps):
+    """Names of the computations a `while` runs (its body and condition, and
+    everything they call)."""
+    seen, todo = set(), []
+    for lines in comps.values():
+        for line in lines:
+            if " while(" in line:
+                todo += re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            todo += re.findall(r"%([\w.\-]+)", line.split("(", 1)[0] + " ")
+            todo += re.findall(
+                r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", line
+            )
+    return seen
+
+
+def _collectives(hlo):
+    """(all-reduces outside any loop, all-reduces inside one, count of
+    all-gather, all-to-all and collective-permute anywhere)."""
+    comps = hlo_computations(hlo)
+    assert any(" while(" in line for lines in comps.values() for line in lines)
+    loop = _loop_computations(comps)
+    inside = outside = 0
+    for name, lines in comps.items():
+        n = sum(1 for line in lines if re.search(r" all-reduce(?:-start)?\(", line))
+        if name in loop:
+            inside += n
+        else:
+            outside += n
+    moves = len(re.findall(r" (?:all-gather|all-to-all|collective-permute)", hlo))
+    return outside, inside, moves
+
+
+def _mesh(mode):
+    return jax.make_mesh((8,), ("data",), axis_types=(getattr(AxisType, mode),))
+
+
+def _sharded_call(mode, grad_fn, params, batch):
+    """(compiled HLO text, result) of `microbatched(grad_fn, K)` on a batch
+    sharded over 8 devices: plain jit with Explicit axes (no axis_name), plain
+    jit with Auto axes and `axis_name`, or inside `jax.shard_map`."""
+    mesh = _mesh("Auto" if mode == "auto" else "Explicit")
+    with jax.set_mesh(mesh):
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        dynamic, static = eqx.partition(params, eqx.is_array)
+        dynamic = jax.device_put(dynamic, NamedSharding(mesh, P()))
+        if mode == "explicit":
+            fn = optax_ext.microbatched(grad_fn, K)
+        elif mode == "auto":
+            fn = optax_ext.microbatched(grad_fn, K, axis_name="data")
+        else:
+            inner = optax_ext.microbatched(grad_fn, K, axis_name="data")
+
+            def fn(params, batch):
+                dyn, stat = eqx.partition(params, eqx.is_array)
+                out = jax.shard_map(
+                    lambda d, b: eqx.filter(inner(eqx.combine(d, stat), b), eqx.is_array),
+                    in_specs=(P(), P("data")),
+                    out_specs=P(),
+                )(dyn, batch)
+                return out
+
+        @jax.jit
+        def step(dynamic, batch):
+            out = fn(eqx.combine(dynamic, static), batch)
+            return eqx.filter(out, eqx.is_array)
+
+        compiled = step.lower(dynamic, batch).compile()
+        return compiled.as_text(), compiled(dynamic, batch)
+
+
+GRAD_FNS = {
+    "grad": (jax.grad(loss), lambda: _problem()[0]),
+    "eqx_value_and_grad_aux": (
+        eqx.filter_value_and_grad(eqx_loss_aux, has_aux=True),
+        lambda: eqx.nn.MLP(16, 1, 32, 2, key=jax.random.key(3)),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", GRAD_FNS)
+@pytest.mark.parametrize("mode", ["explicit", "auto", "shard_map"])
+def test_sharded_batch_reduces_once_after_the_loop(mode, name):
+    """Each micro-batch takes its rows from every device (no all-gather,
+    all-to-all or collective-permute), the gradients (with the loss and float
+    aux) are all-reduced once, outside the loop, and equal grad_fn on the
+    whole batch in float64."""
+    grad_fn, make = GRAD_FNS[name]
+    params, batch = make(), _problem()[1]
+    hlo, got = _sharded_call(mode, grad_fn, params, batch)
+    outside, inside, moves = _collectives(hlo)
+    assert (outside, inside, moves) == (1, 0, 0)
+    with jax.enable_x64(True):
+        want = eqx.filter(grad_fn(_f64(params), _f64(batch)), eqx.is_array)
+    _assert_close(got, want)
+
+
+def test_auto_axes_without_axis_name_reduce_inside_the_loop():
+    """Why `axis_name` is needed with Auto axes: the batch's sharding is not
+    in its type, the loop runs as written and XLA all-reduces the gradients
+    in every micro-batch (values still right)."""
+    params, batch = _problem()
+    mesh = _mesh("Auto")
+    with jax.set_mesh(mesh):
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        compiled = (
+            jax.jit(optax_ext.microbatched(jax.grad(loss), K))
+            .lower(params, batch)
+            .compile()
+        )
+    outside, inside, moves = _collectives(compiled.as_text())
+    assert inside >= 1 and moves == 0
+
+
+def test_rows_per_device_must_split():
+    """256 rows split in 64 micro-batches, but each device holds 32."""
+    params, batch = _problem()
+    mesh = _mesh("Explicit")
+    with jax.set_mesh(mesh):
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        fn = jax.jit(optax_ext.microbatched(jax.grad(loss), 64))
+        with pytest.raises(ValueError, match=r"each device holds 32 rows.*=64"):
+            fn(params, batch)
+
+
+def test_unbound_axis_name_is_an_error():
+    params, batch = _problem()
+    fn = optax_ext.microbatched(jax.grad(loss), K, axis_name="data")
+    with pytest.raises(ValueError, match=r"axis_name='data'.*set_mesh"):
+        fn(params, batch)
