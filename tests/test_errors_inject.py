@@ -1,0 +1,147 @@
+"""inject_hyperparams refuses bad input at the earliest point (construction,
+init, or the first update while tracing), with an error that names the
+argument, what was passed and what is expected. Each case silently computed
+something else, or failed deep inside optax, before (issue 13)."""
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+
+import optax_ext
+
+P = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+G = jax.tree.map(jnp.ones_like, P)
+
+
+def test_factory_that_does_not_return_a_transformation():
+    def not_a_factory(learning_rate):
+        return learning_rate * 2
+
+    opt = optax_ext.inject_hyperparams(not_a_factory)(learning_rate=0.1)
+    with pytest.raises(TypeError, match=r"not_a_factory returned .*GradientTransformation"):
+        opt.init(P)  # init: the first point where the factory is called
+    with pytest.raises(TypeError, match=r"inner_factory must be a function.*got 3"):
+        optax_ext.inject_hyperparams(3)
+
+
+@pytest.mark.parametrize(
+    "schedule, match",
+    [
+        (lambda count: jnp.array([0.1, 0.2]), r"learning_rate returned an array of shape \(2,\)"),
+        (lambda count: None, r"learning_rate returned None"),
+        (lambda count: "0.1", r"learning_rate returned '0.1'"),
+        (lambda count: jnp.asarray(True), r"learning_rate returned .*bool.*a number"),
+    ],
+    ids=["shape-2", "None", "str", "bool"],
+)
+def test_schedule_that_does_not_return_a_scalar_number(schedule, match):
+    opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=schedule)
+    with pytest.raises((TypeError, ValueError), match=match):
+        opt.init(P)
+    with pytest.raises((TypeError, ValueError), match=match):
+        jax.jit(opt.init)(P)
+
+
+def test_schedule_checked_at_update_too():
+    """A stateful schedule whose value goes bad after init: caught while
+    tracing the update."""
+
+    class Bad(optax.schedules.StatefulSchedule):
+        def init(self):
+            return jnp.zeros((), jnp.int32)
+
+        def update(self, state, **extra):
+            return state + 1
+
+        def __call__(self, state, **extra):
+            return jnp.full((2,), 0.1) if extra.get("bad") else jnp.asarray(0.1)
+
+    opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=Bad())
+    state = opt.init(P)
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        opt.update(G, state, P, bad=True)
+
+
+def test_mask_that_does_not_match_the_params():
+    mask = {"w": True}  # params are {"w", "b"}
+    opt = optax_ext.inject_hyperparams(optax.adamw)(learning_rate=0.1, mask=mask)
+    with pytest.raises(ValueError, match=r"mask does not match the params.*\{'w': \*\}"):
+        opt.init(P)
+    fn = lambda params: [True, False]  # noqa: E731 - a function returning a bad tree
+    opt = optax_ext.inject_hyperparams(optax.adamw)(learning_rate=0.1, mask=fn)
+    with pytest.raises(ValueError, match=r"mask does not match"):
+        jax.jit(opt.init)(P)
+    # A prefix of the params tree is a valid mask, as in optax.masked.
+    ok = optax_ext.inject_hyperparams(optax.adamw)(learning_rate=0.1, mask=True)
+    ok.update(G, ok.init(P), P)
+
+
+@pytest.mark.parametrize("name", ["learning_rate", "b1"])
+def test_number_given_as_a_string(name):
+    kwargs = {"learning_rate": 0.1, name: "0.1"}
+    with pytest.raises(TypeError, match=rf"{name}='0.1' is a string.*Pass a number"):
+        optax_ext.inject_hyperparams(optax.adam)(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_, "not a dtype"])
+def test_hyperparam_dtype_that_cannot_hold_the_values(dtype):
+    """optax casts learning_rate=0.1 to int32, i.e. 0: zero updates, silently."""
+    upstream = optax.inject_hyperparams(optax.sgd, hyperparam_dtype=jnp.int32)(0.1)
+    u, _ = upstream.update(G, upstream.init(P), P)
+    assert all(bool((x == 0).all()) for x in jax.tree.leaves(u))
+    with pytest.raises((TypeError, ValueError), match=r"hyperparam_dtype must be a floating"):
+        optax_ext.inject_hyperparams(optax.sgd, hyperparam_dtype=dtype)
+
+
+def test_writing_a_name_that_is_not_injected():
+    """optax ignores state.hyperparams['weight_decay'] for adam: refused."""
+    opt = optax_ext.inject_hyperparams(optax.adam)(learning_rate=0.1)
+    state = opt.init(P)
+    state.hyperparams["weight_decay"] = 0.1  # adam has no such argument
+    with pytest.raises(KeyError, match=r"\['weight_decay'\].*injected ones are"):
+        jax.jit(opt.update)(G, state, P)
+    opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=0.1, nesterov=False)
+    state = opt.init(P)
+    state.hyperparams["nesterov"] = True  # static: passed to the factory as is
+    with pytest.raises(KeyError, match=r"\['nesterov'\] are passed to the factory unchanged"):
+        opt.update(G, state, P)
+
+
+def test_writing_a_float_into_an_integer_hyperparameter():
+    opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=1)
+    state = opt.init(P)
+    state.hyperparams["learning_rate"] = 0.5
+    with pytest.raises(TypeError, match=r"learning_rate'\] holds .*float32.*int32"):
+        jax.jit(opt.update)(G, state, P)
+
+
+def test_wrong_state():
+    opt = optax_ext.inject_hyperparams(optax.adam)(learning_rate=0.1)
+    with pytest.raises(TypeError, match=r"state must be the optax.InjectStatefulHyperparamsState.*ScaleByAdamState"):
+        opt.update(G, optax.scale_by_adam().init(P), P)
+
+
+BAD_ARGUMENTS = {
+    "learning_rate": st.sampled_from(["0.1", "1e-3", ""]),
+    "b1": st.sampled_from(["0.9", "x"]),
+}
+
+
+@settings(max_examples=15)
+@given(
+    name=st.sampled_from(sorted(BAD_ARGUMENTS)),
+    data=st.data(),
+    dtype=st.sampled_from([jnp.int8, jnp.int32, jnp.uint32, jnp.bool_, np.int64]),
+)
+def test_bad_constructor_arguments_property(name, data, dtype):
+    """Any string for a number, any non-floating hyperparam_dtype: refused
+    when the optimizer is built, naming the argument and the value."""
+    value = data.draw(BAD_ARGUMENTS[name])
+    with pytest.raises(TypeError, match=rf"{name}={value!r} is a string"):
+        optax_ext.inject_hyperparams(optax.adam)(**{"learning_rate": 0.1, name: value})
+    with pytest.raises(ValueError, match=rf"got {jnp.dtype(dtype)}"):
+        optax_ext.inject_hyperparams(optax.adam, hyperparam_dtype=dtype)
