@@ -54,7 +54,9 @@ def _check_num_microbatches(num_microbatches: Any) -> int:
     )
 
 
-def _check_argnums(batch_argnums: Any, key_argnum: Any) -> tuple[tuple[int, ...], int | None]:
+def _check_argnums(
+    batch_argnums: Any, key_argnum: Any
+) -> tuple[tuple[int, ...], int | None]:
     def index(value: Any, name: str) -> int:
         if not isinstance(value, bool):
             try:
@@ -465,9 +467,7 @@ def microbatched(
                 f"{type(key).__name__} of shape {jnp.shape(key)} and dtype "
                 f"{getattr(key, 'dtype', None)}."
             )
-        run = functools.partial(
-            _accumulate, grad_fn, k, argnums, key_argnum, acc_dtype
-        )
+        run = functools.partial(_accumulate, grad_fn, k, argnums, key_argnum, acc_dtype)
         if axis_name is not None and _is_manual(axis_name):
             return run(axis_name, args, kwargs)
         spec, mesh = _batch_spec(args, argnums)
@@ -503,9 +503,7 @@ def _in_shard_map(
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     dyn_args, dyn_kwargs = dynamic
     in_specs = (
-        tuple(
-            P(spec) if i in argnums else P() for i in range(len(dyn_args))
-        ),
+        tuple(P(spec) if i in argnums else P() for i in range(len(dyn_args))),
         P(),
     )
     out_static = []

@@ -129,9 +129,9 @@ def test_integer_and_bool_aux_combine_over_the_whole_batch():
     by one micro-batch only is raised for the batch."""
     params, (x, y) = _params(), _data()
     y = y.at[5].set(100.0)  # only micro-batch 5 % K sees it
-    (_, aux), _ = optax_ext.microbatched(
-        jax.value_and_grad(loss_aux, has_aux=True), K
-    )(params, (x, y))
+    (_, aux), _ = optax_ext.microbatched(jax.value_and_grad(loss_aux, has_aux=True), K)(
+        params, (x, y)
+    )
     pred = np.asarray(jnp.tanh(x @ params["w"] + params["b"]) @ params["v"])
     assert int(aux["positives"]) == int((pred > 0).sum())
     assert bool(aux["any_big"])
@@ -229,11 +229,13 @@ def test_batch_at_other_positions_and_several_arguments():
         return scale * loss(params, (x, y))
 
     params, (x, y) = _params(), _data()
-    got = optax_ext.microbatched(jax.grad(split_loss, argnums=1), K, batch_argnums=(0, 2))(
-        x, params, y, scale=3.0
-    )
+    got = optax_ext.microbatched(
+        jax.grad(split_loss, argnums=1), K, batch_argnums=(0, 2)
+    )(x, params, y, scale=3.0)
     with jax.enable_x64(True):
-        want = jax.grad(split_loss, argnums=1)(_f64(x), _f64(params), _f64(y), scale=3.0)
+        want = jax.grad(split_loss, argnums=1)(
+            _f64(x), _f64(params), _f64(y), scale=3.0
+        )
     for name in params:
         _close(got[name], want[name])
 
@@ -261,7 +263,9 @@ def test_adam_step_equals_multi_steps_on_the_same_microbatches(dtype):
 
     state = opt.init(params)
     for j in range(K):
-        updates, state = mini_step(params, state, jax.tree.map(lambda a: a[j::K], batch))
+        updates, state = mini_step(
+            params, state, jax.tree.map(lambda a, j=j: a[j::K], batch)
+        )
     assert bool(opt.has_updated(state))
     got = in_step(params, adam.init(params), batch)
     for name in params:
@@ -344,13 +348,17 @@ def test_bad_calls_name_what_was_passed():
     with pytest.raises(TypeError, match=r"grad_fn must be a function.*3"):
         optax_ext.microbatched(3, K)  # type: ignore[arg-type]
     fn = optax_ext.microbatched(jax.grad(loss), K)
-    with pytest.raises(ValueError, match=r"argument 1\[0\] has 32 rows, argument 1\[1\] has 8"):
+    with pytest.raises(
+        ValueError, match=r"argument 1\[0\] has 32 rows, argument 1\[1\] has 8"
+    ):
         fn(_params(), (_data()[0], jnp.zeros(8)))
     with pytest.raises(ValueError, match=r"argument 1\[1\] is a scalar"):
         fn(_params(), (_data()[0], jnp.zeros(())))
     with pytest.raises(TypeError, match=r"positions \(1,\).*1 positional"):
         fn(_params())
-    keyed = optax_ext.microbatched(lambda p, b, k: jax.grad(loss)(p, b), K, key_argnum=2)
+    keyed = optax_ext.microbatched(
+        lambda p, b, k: jax.grad(loss)(p, b), K, key_argnum=2
+    )
     with pytest.raises(TypeError, match=r"argument 2 \(key_argnum\).*PRNG key.*float"):
         keyed(_params(), _data(), jnp.zeros(2))
 
@@ -359,7 +367,9 @@ def test_narrower_accumulator_is_refused():
     """A bfloat16 accumulator for float32 gradients would round every
     micro-batch's contribution: an error, not a silent narrowing."""
     fn = optax_ext.microbatched(jax.grad(loss), K, accumulator_dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"accumulator_dtype=bfloat16.*\['b'\].*float32"):
+    with pytest.raises(
+        ValueError, match=r"accumulator_dtype=bfloat16.*\['b'\].*float32"
+    ):
         fn(_params(), _data())
 
 

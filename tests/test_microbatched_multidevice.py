@@ -78,10 +78,7 @@ def _loop_computations(comps):
             continue
         seen.add(name)
         for line in comps[name]:
-            todo += re.findall(r"%([\w.\-]+)", line.split("(", 1)[0] + " ")
-            todo += re.findall(
-                r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", line
-            )
+            todo += re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", line)
     return seen
 
 
@@ -125,7 +122,9 @@ def _sharded_call(mode, grad_fn, params, batch):
             def fn(params, batch):
                 dyn, stat = eqx.partition(params, eqx.is_array)
                 out = jax.shard_map(
-                    lambda d, b: eqx.filter(inner(eqx.combine(d, stat), b), eqx.is_array),
+                    lambda d, b: eqx.filter(
+                        inner(eqx.combine(d, stat), b), eqx.is_array
+                    ),
                     in_specs=(P(), P("data")),
                     out_specs=P(),
                 )(dyn, batch)

@@ -117,7 +117,9 @@ def _child(process_id: int, port: int, out: str) -> None:
 
         for t in range(WINDOWS):
             for j in range(K):  # micro-batch j: rows j, j + K, ...
-                params, state = mini_step(params, state, local((x[t, j::K], y[t, j::K])))
+                params, state = mini_step(
+                    params, state, local((x[t, j::K], y[t, j::K]))
+                )
         results["multi_steps"] = to_host(params)
 
         # microbatched on the whole batch, under plain jit.
@@ -161,9 +163,7 @@ def _reference() -> dict:
 def test_two_processes_train_as_one_process_on_the_whole_batch(tmp_path):
     port = _free_port()
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
-    )
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
     env["JAX_PLATFORMS"] = "cpu"
     root = str(pathlib.Path(__file__).parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
