@@ -140,7 +140,7 @@ def _batch_size(args: tuple, argnums: tuple[int, ...], k: int) -> int:
     assert size is not None
     if size % k:
         raise ValueError(
-            f"the batch in argument {first} has {size} rows, which does not "
+            f"the batch at {first} has {size} rows, which does not "
             f"split into num_microbatches={k} equal micro-batches; pass a batch "
             f"whose size is a multiple of {k}."
         )
