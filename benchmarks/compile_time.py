@@ -118,7 +118,9 @@ BASELINE = {
 }
 
 
-def compile_once(make: Callable, extra: dict, n_leaves: int) -> tuple[float, int]:
+def compile_once(
+    make: Callable, extra: dict, n_leaves: int
+) -> tuple[float, float, int]:
     opt = make()
     params = {f"w{i:04d}": jnp.zeros((64, 64), jnp.float32) for i in range(n_leaves)}
     state = opt.init(params)
@@ -128,26 +130,33 @@ def compile_once(make: Callable, extra: dict, n_leaves: int) -> tuple[float, int
         updates, opt_state = opt.update(grads, opt_state, params, **kwargs)
         return optax.apply_updates(params, updates), opt_state
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
-    seconds = time.perf_counter() - start
-    return seconds, len(compiled.as_text().splitlines())
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return seconds, cpu, len(compiled.as_text().splitlines())
 
 
 def bench(inner: str, n_leaves: int, rounds: int) -> dict[str, dict[str, float]]:
     cands = candidates(inner)
     names = list(cands)
     seconds: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     lines: dict[str, int] = {}
     rng = random.Random(0)
     for _ in range(rounds):
         rng.shuffle(names)
         for name in names:
-            s, n = compile_once(*cands[name], n_leaves)
+            s, c, n = compile_once(*cands[name], n_leaves)
             seconds[name].append(s)
+            cpu[name].append(c)
             lines[name] = n
     return {
-        n: {"seconds": statistics.median(seconds[n]), "lines": lines[n]} for n in cands
+        n: {
+            "seconds": statistics.median(seconds[n]),
+            "cpu_seconds": statistics.median(cpu[n]),
+            "lines": lines[n],
+        }
+        for n in cands
     }
 
 

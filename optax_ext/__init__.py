@@ -1,5 +1,6 @@
 """Optax gradient transformations that keep working when composed."""
 
+from ._apply import apply_gradients as apply_gradients
 from ._inject import inject_hyperparams as inject_hyperparams
 from ._microbatched import microbatched as microbatched
 from ._multi_steps import MultiSteps as MultiSteps
@@ -11,6 +12,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MultiSteps",
+    "apply_gradients",
     "inject_hyperparams",
     "microbatched",
     "skip_when",

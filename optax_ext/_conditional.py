@@ -36,6 +36,7 @@ def update_if(
     inner_state: PyTree,
     *,
     clear_grads: bool = False,
+    carry: PyTree = None,
 ) -> tuple[PyTree, PyTree, PyTree | None]:
     """`inner_update(grads, inner_state)` where `pred`, else zero updates and
     `inner_state` as it came in.
@@ -48,6 +49,12 @@ def update_if(
     `inner_update` is traced once: its jaxpr is analysed, then evaluated in
     the running branch (nesting `update_if` does not multiply traces).
 
+    With `carry` (the params of a fused train step), `inner_update` is
+    called as `inner_update(grads, inner_state, carry)` and returns the new
+    carry in place of updates; where `pred` is false the carry comes back
+    as it went in (no zero updates are built), and the new one is conformed
+    to its avals.
+
     With `clear_grads`, the third output is `grads` cleared to zeros where
     `pred` (the inner update ran) and `grads` as they came in elsewhere; it is
     `None` otherwise. The zeros are ordered after every output that reads
@@ -59,25 +66,32 @@ def update_if(
     compiled ops (see `docs/design.md`).
     """
 
-    def step(grads, inner_state):
-        new_updates, new_inner_state = inner_update(grads, inner_state)
-        return new_updates, conform_state(new_inner_state, inner_state)
+    carried = carry is not None
+
+    def step(grads, inner_state, carry):
+        if carried:
+            new_carry, new_inner_state = inner_update(grads, inner_state, carry)
+            new_carry = conform_state(new_carry, carry)
+        else:
+            new_carry, new_inner_state = inner_update(grads, inner_state)
+        return new_carry, conform_state(new_inner_state, inner_state)
 
     closed, (out_shapes, state_shapes) = jax.make_jaxpr(step, return_shape=True)(
-        grads, inner_state
+        grads, inner_state, carry
     )
     n_grads = len(jax.tree.leaves(grads))
+    n_state = len(jax.tree.leaves(inner_state))
     n_updates = len(jax.tree.leaves(out_shapes))
     readers = _updates_reading_old_state(
-        closed.jaxpr, n_grads=n_grads, n_updates=n_updates
+        closed.jaxpr, n_grads=n_grads, n_updates=n_updates, n_state=n_state
     )
     grad_readers = _outputs_reading_grads(closed.jaxpr, n_grads=n_grads)
     traced_step = jex_core.jaxpr_as_fun(closed)
     out_def = jax.tree.structure((out_shapes, state_shapes))
     out_avals = closed.out_avals
 
-    def run(live, grads, inner_state):
-        leaves = traced_step(*jax.tree.leaves((grads, inner_state)))
+    def run(live, grads, inner_state, carry):
+        leaves = traced_step(*jax.tree.leaves((grads, inner_state, carry)))
         # A constant output comes back as a Python or NumPy value.
         leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
         update_leaves = leaves[:n_updates]
@@ -91,13 +105,13 @@ def update_if(
         done = _token_after([outputs[i] for i in grad_readers], live)
         return new_updates, new_inner_state, _zeros_after(grads, done)
 
-    def skip(live, grads, inner_state):
-        zeros = jax.tree.map(zeros_like_struct, out_shapes)
-        return zeros, inner_state, (grads if clear_grads else None)
+    def skip(live, grads, inner_state, carry):
+        kept = carry if carried else jax.tree.map(zeros_like_struct, out_shapes)
+        return kept, inner_state, (grads if clear_grads else None)
 
     # `pred` goes in as an operand too: inside the running branch it is a
     # `True` that XLA cannot fold (see `_token_after`).
-    return lax.cond(pred, run, skip, pred, grads, inner_state)
+    return lax.cond(pred, run, skip, pred, grads, inner_state, carry)
 
 
 def _outputs_reading_grads(jaxpr: Any, *, n_grads: int) -> list[int]:
@@ -209,7 +223,7 @@ def _zeros_after(grads: PyTree, done: jax.Array | None) -> PyTree:
 
 
 def _updates_reading_old_state(
-    jaxpr: Any, *, n_grads: int, n_updates: int
+    jaxpr: Any, *, n_grads: int, n_updates: int, n_state: int | None = None
 ) -> list[tuple[int, ...] | None]:
     """For each state leaf of `step`'s jaxpr: the indices of the update leaves
     that depend on its old value other than through its new value, or `None`
@@ -222,7 +236,8 @@ def _updates_reading_old_state(
     are found: a leaf whose old value only another leaf's new value reads is
     left to XLA (which copies where it cannot order them).
     """
-    state_in = jaxpr.invars[n_grads:]
+    end = None if n_state is None else n_grads + n_state
+    state_in = jaxpr.invars[n_grads:end]
     new_state = jaxpr.outvars[n_updates:]
     bits: dict[Any, int] = {}
     for i, v in enumerate(state_in):

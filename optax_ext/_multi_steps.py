@@ -85,6 +85,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from ._apply import apply_gradients, merge_trainable
 from ._conditional import check_transformation, update_if
 from ._sharding import mirror_param_sharding, varying_axes
 from ._static import Method, config_key
@@ -291,6 +292,9 @@ class MultiSteps:
                 f"{should_skip_update_fn!r}."
             )
         self._opt = optax.with_extra_args_support(opt)
+        # As given: `apply_gradients` fuses through a nested MultiSteps or
+        # skip_when, which `with_extra_args_support` would hide.
+        self._fusable_inner = opt
         self._every_k_schedule = _validate_every_k(every_k_schedule)
         self._use_grad_mean = bool(use_grad_mean)
         self._should_skip_update_fn = should_skip_update_fn
@@ -417,6 +421,29 @@ class MultiSteps:
     ) -> tuple[PyTree, optax.MultiStepsState]:
         """Accumulates `updates`; returns the inner optimizer's updates on the
         last mini-step of a window and zeros otherwise."""
+        return self._step(updates, state, params, extra_args, fused=False)
+
+    def apply_gradients(
+        self,
+        grads: PyTree,
+        state: optax.MultiStepsState,
+        params: PyTree,
+        **extra_args: Any,
+    ) -> tuple[PyTree, optax.MultiStepsState]:
+        """`update` followed by applying the updates to `params`, fused: a
+        mini-step returns `params` as they came in, without building zero
+        updates. Prefer `optax_ext.apply_gradients`, which calls this."""
+        return self._step(grads, state, params, extra_args, fused=True)
+
+    def _step(
+        self,
+        updates: PyTree,
+        state: optax.MultiStepsState,
+        params: PyTree | None,
+        extra_args: dict[str, Any],
+        *,
+        fused: bool,
+    ) -> tuple[PyTree, optax.MultiStepsState]:
         per_device = self._per_device_view("update")
         acc_in = state.acc_grads
         if per_device:
@@ -436,6 +463,7 @@ class MultiSteps:
         )
         if per_device:
             _check_local_gradients(updates, acc_in, self._axis_name)
+        all_params = params
         if params is not None:
             params = trainable(params)
         mini_step = jnp.asarray(state.mini_step)
@@ -472,16 +500,23 @@ class MultiSteps:
         emit = jnp.logical_and(jnp.logical_not(should_skip), mini_step + 1 >= k)
         update_dtypes = jax.tree.map(lambda g: jnp.result_type(g), updates)
 
-        def inner_update(acc_grads, inner_state):
+        def window_grads(acc_grads):
             if per_device:
                 # The only collective of a window: this device's mean (or sum)
                 # averaged over the devices, in the accumulator's dtype.
                 acc_grads = jax.tree.map(lambda acc: acc[0], acc_grads)
                 acc_grads = lax.pmean(acc_grads, self._axis_name)
-            grads = jax.tree.map(
-                lambda acc, dt: acc.astype(dt), acc_grads, update_dtypes
-            )
+            return jax.tree.map(lambda acc, dt: acc.astype(dt), acc_grads, update_dtypes)
+
+        def inner_update(acc_grads, inner_state):
+            grads = window_grads(acc_grads)
             return self._opt.update(grads, inner_state, params, **extra_args)
+
+        def inner_apply(acc_grads, inner_state, params):
+            grads = window_grads(acc_grads)
+            return apply_gradients(
+                self._fusable_inner, grads, inner_state, params, **extra_args
+            )
 
         # Only the inner optimizer sits inside the `cond`. The accumulator goes
         # in and comes back out: cleared in the emitting branch once the inner
@@ -489,9 +524,20 @@ class MultiSteps:
         # the donated buffer (see the module's docstring). The state after an
         # emitting step holds zeros there, as optax's does: a state saved by
         # either implementation continues correctly in the other.
-        new_updates, inner_state, acc_grads = update_if(
-            emit, inner_update, acc_grads, state.inner_opt_state, clear_grads=True
-        )
+        if fused:
+            new_params, inner_state, acc_grads = update_if(
+                emit,
+                inner_apply,
+                acc_grads,
+                state.inner_opt_state,
+                clear_grads=True,
+                carry=params,
+            )
+            result = merge_trainable(all_params, new_params)
+        else:
+            result, inner_state, acc_grads = update_if(
+                emit, inner_update, acc_grads, state.inner_opt_state, clear_grads=True
+            )
         if per_device:
             skip_state = _add_device_axis(skip_state)
         new_state = optax.MultiStepsState(
@@ -505,7 +551,7 @@ class MultiSteps:
             acc_grads=acc_grads,
             skip_state=skip_state,
         )
-        return new_updates, new_state
+        return result, new_state
 
     def has_updated(self, state: optax.MultiStepsState | PyTree) -> jax.Array:
         """Whether the last `update` with this state emitted non-zero updates."""

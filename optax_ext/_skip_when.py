@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
+from ._apply import apply_gradients, apply_updates, merge_trainable
 from ._conditional import check_transformation, update_if
 from ._static import Method, config_key
-from ._tree import fill_scalar_gaps, optimisable, restore_none
+from ._tree import (
+    fill_scalar_gaps,
+    is_python_scalar,
+    optimisable,
+    restore_none,
+    trainable,
+)
 
 PyTree = Any
 
@@ -22,6 +30,7 @@ class _SkipWhen:
         if not (isinstance(flag, str) and flag.isidentifier()):
             raise ValueError(f"flag must be a keyword argument name, got {flag!r}.")
         self.inner = optax.with_extra_args_support(inner)
+        self._fusable_inner = inner  # as given: see MultiSteps
         self.flag = flag
         self._key = config_key(inner, flag)
 
@@ -37,14 +46,7 @@ class _SkipWhen:
     def update(
         self, updates: PyTree, state: PyTree, params: PyTree = None, **extra_args: Any
     ) -> tuple[PyTree, PyTree]:
-        # Without the flag the step is not skipped: callers that pass no
-        # extra arguments (flax's TrainState.apply_gradients) run `inner`.
-        skip = jnp.asarray(extra_args.pop(self.flag, False))
-        if skip.dtype != jnp.bool_ or skip.shape != ():
-            raise TypeError(
-                f"skip_when: {self.flag} must be a scalar bool, got dtype "
-                f"{skip.dtype} and shape {skip.shape}."
-            )
+        skip = self._skip(extra_args)
         if params is not None:
             params = optimisable(params)
         filled = fill_scalar_gaps(updates, params)
@@ -56,6 +58,40 @@ class _SkipWhen:
             jnp.logical_not(skip), inner_update, filled, state
         )
         return restore_none(updates, new_updates), new_state
+
+    def apply_gradients(
+        self, grads: PyTree, state: PyTree, params: PyTree, **extra_args: Any
+    ) -> tuple[PyTree, PyTree]:
+        """`update` and applying it to `params`, fused: a skipped step
+        returns `params` as they came in (see `optax_ext.apply_gradients`)."""
+        if any(is_python_scalar(x) for x in jax.tree.leaves(params)):
+            # A Python number cannot pass through the `cond` as itself.
+            updates, state = self.update(grads, state, params, **extra_args)
+            return apply_updates(params, updates), state
+        skip = self._skip(extra_args)
+        arrays = trainable(params)
+
+        def inner_apply(grads, inner_state, arrays):
+            return apply_gradients(
+                self._fusable_inner, grads, inner_state, arrays, **extra_args
+            )
+
+        new_arrays, new_state, _ = update_if(
+            jnp.logical_not(skip), inner_apply, grads, state, carry=arrays
+        )
+        return merge_trainable(params, new_arrays), new_state
+
+    def _skip(self, extra_args: dict[str, Any]) -> jax.Array:
+        """Pops the flag from `extra_args`. Without it the step is not
+        skipped: callers that pass no extra arguments (flax's
+        `TrainState.apply_gradients`) run `inner`."""
+        skip = jnp.asarray(extra_args.pop(self.flag, False))
+        if skip.dtype != jnp.bool_ or skip.shape != ():
+            raise TypeError(
+                f"skip_when: {self.flag} must be a scalar bool, got dtype "
+                f"{skip.dtype} and shape {skip.shape}."
+            )
+        return skip
 
 
 def skip_when(

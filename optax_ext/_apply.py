@@ -1,0 +1,117 @@
+"""`apply_gradients`: an optimizer step and its application to the params in
+one call, fused for `MultiSteps` and `skip_when` so that a step that does
+not update never builds a tree of zero updates."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ._static import Method
+
+PyTree = Any
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """`optax.apply_updates`' arithmetic (`p + u` cast back to the dtype of
+    `p`) with `eqx.apply_updates`' tree handling: where `updates` holds
+    `None` (what `eqx.filter_grad` gives for a leaf that is not a floating
+    array: a function, an integer buffer) the params leaf is kept as it is.
+    """
+
+    def apply(u: Any, p: Any) -> Any:
+        if u is None:
+            return p
+        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+    return jax.tree.map(apply, updates, params, is_leaf=_is_none)
+
+
+def merge_trainable(params: PyTree, new: PyTree) -> PyTree:
+    """`params` with each leaf that `new` holds (not `None`) replaced by it."""
+    return jax.tree.map(
+        lambda n, p: p if n is None else n, new, params, is_leaf=_is_none
+    )
+
+
+def _fused(optimizer: Any) -> Any:
+    """The object whose `apply_gradients` fuses `optimizer`'s step, if any:
+    a `MultiSteps` itself, or the owner behind the `Method`s of
+    `MultiSteps.gradient_transformation()` and `skip_when(...)`."""
+    if callable(getattr(type(optimizer), "apply_gradients", None)):
+        return optimizer
+    update = getattr(optimizer, "update", None)
+    if isinstance(update, Method) and callable(
+        getattr(type(update.owner), "apply_gradients", None)
+    ):
+        return update.owner
+    return None
+
+
+def apply_gradients(
+    optimizer: optax.GradientTransformation,
+    grads: PyTree,
+    opt_state: PyTree,
+    params: PyTree,
+    **extra_args: Any,
+) -> tuple[PyTree, PyTree]:
+    """One optimizer step applied to `params`: `optimizer.update` followed by
+    `optax.apply_updates`, in one call.
+
+    For any optimizer the result equals
+
+        updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)
+        params = optax.apply_updates(params, updates)
+
+    (same arithmetic and dtypes). `params` may be a whole Equinox model: a
+    leaf whose gradient is `None` (what `eqx.filter_grad` gives for leaves
+    that are not floating arrays) is kept as it is, as `eqx.apply_updates`
+    does.
+
+    For `optax_ext.MultiSteps` (and its `gradient_transformation()`) and
+    `optax_ext.skip_when`, nested in each other to any depth, the step is
+    fused: the params go into the `lax.cond` that decides whether the inner
+    optimizer runs, and a step that does not update (a mini-step of a window,
+    a skipped step) returns them as they came in. No tree of zero updates is
+    built and none is added: with params and state donated, a mini-step
+    costs what accumulating the gradients costs. Inside `optax.chain` the
+    parts cannot be reached (a chain is a closure), so a chain is applied
+    unfused, correctly: put `MultiSteps` outermost, around the chain, as
+    usual.
+
+    **Arguments:**
+
+    - `optimizer`: an `optax.GradientTransformation`, or an
+      `optax_ext.MultiSteps`.
+    - `grads`: the gradients, with the structure of `params` (or `None`
+      where `params` holds no floating array).
+    - `opt_state`: the optimizer's state.
+    - `params`: the params (or Equinox model) to update.
+    - `**extra_args`: passed to `update` (`skip=` for `skip_when`,
+      `value=` for `optax.contrib.reduce_on_plateau`, ...).
+
+    **Returns:**
+
+    `(new_params, new_opt_state)`.
+
+    **Example:**
+
+    ```python
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, batch):
+        grads = jax.grad(loss)(params, batch)
+        return optax_ext.apply_gradients(opt, grads, opt_state, params)
+    ```
+    """
+    owner = _fused(optimizer)
+    if owner is not None:
+        return owner.apply_gradients(grads, opt_state, params, **extra_args)
+    updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)
+    return apply_updates(params, updates), opt_state

@@ -1,0 +1,272 @@
+"""`apply_gradients`: equal to `update` + `optax.apply_updates` for every
+optimizer and nesting, in the jitted, donated train step users write; params
+untouched (bit for bit) on steps that do not update; Equinox models, vmap and
+extra arguments; and the fused step's compiled memory."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_ext
+
+K = 3
+STEPS = 2 * K + 1
+
+
+def _params():
+    return {
+        "w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4),
+        "b": jnp.linspace(0.5, -0.5, 4).astype(jnp.bfloat16),
+        "s": jnp.asarray(0.25, jnp.float32),
+    }
+
+
+def _grads(i, params):
+    return jax.tree.map(
+        lambda p: jnp.cos(3.0 * jnp.arange(p.size).reshape(p.shape) + i).astype(
+            p.dtype
+        ),
+        params,
+    )
+
+
+INNER = {
+    "adam": lambda: optax.adam(1e-2),
+    "lion": lambda: optax.lion(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "sgd-nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "clip+adamw": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(1e-2)
+    ),
+}
+ms = optax_ext.MultiSteps
+sw = optax_ext.skip_when
+WRAPPERS = {
+    "bare": lambda o: o,
+    "MultiSteps": lambda o: ms(o, K),
+    "MultiSteps.gradient_transformation": lambda o: ms(o, K).gradient_transformation(),
+    "MultiSteps^2": lambda o: ms(ms(o, 2), 2),
+    "skip_when": lambda o: sw(o),
+    "MultiSteps(skip_when)": lambda o: ms(sw(o), K),
+    "skip_when(MultiSteps)": lambda o: sw(ms(o, K)),
+    "chain(zero_nans, MultiSteps)": lambda o: optax.chain(
+        optax_ext.zero_nans(), ms(o, K)
+    ),
+}
+
+
+def _skips(name, i):
+    """The `skip=` flag of step `i` (every third step skipped), if any."""
+    if "skip_when" not in name:
+        return {}
+    return {"skip": jnp.asarray(i % 3 == 1)}
+
+
+@pytest.mark.parametrize("inner", INNER)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_equals_update_then_apply_updates(inner, wrapper):
+    """Params and state after each of 7 jitted, donated steps equal those of
+    `update` + `optax.apply_updates` jitted the same way: the state bit for
+    bit, float32 params within 1e-6 relative (XLA may fuse the final add
+    differently), bf16 params bit for bit."""
+    opt = WRAPPERS[wrapper](INNER[inner]())
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def reference(params, state, grads, extra):
+        updates, state = opt.update(grads, state, params, **extra)
+        return optax.apply_updates(params, updates), state
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def fused(params, state, grads, extra):
+        return optax_ext.apply_gradients(opt, grads, state, params, **extra)
+
+    p_ref, p_new = _params(), _params()
+    s_ref, s_new = opt.init(p_ref), opt.init(p_new)
+    for i in range(STEPS):
+        extra = _skips(wrapper, i)
+        p_ref, s_ref = reference(p_ref, s_ref, _grads(i, _params()), extra)
+        p_new, s_new = fused(p_new, s_new, _grads(i, _params()), extra)
+        for path, a, b in zip(
+            jax.tree_util.tree_leaves_with_path(p_ref),
+            jax.tree.leaves(p_ref),
+            jax.tree.leaves(p_new),
+            strict=True,
+        ):
+            assert a.dtype == b.dtype, path
+            if a.dtype == jnp.bfloat16:
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+            else:
+                np.testing.assert_allclose(b, a, rtol=1e-6, atol=0, err_msg=str(path))
+        for a, b in zip(jax.tree.leaves(s_ref), jax.tree.leaves(s_new), strict=True):
+            assert jax.typeof(a) == jax.typeof(b)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("wrapper", ["MultiSteps", "MultiSteps(skip_when)", "skip_when"])
+def test_params_untouched_when_nothing_updates(wrapper):
+    """A mini-step or a skipped step gives back the params bit for bit (no
+    `p + 0` that would turn -0.0 into 0.0 or a NaN param into anything)."""
+    opt = WRAPPERS[wrapper](optax.adam(1e-2))
+    params = {"w": jnp.asarray([-0.0, jnp.nan, 1e-30, -3.0], jnp.float32)}
+    state = opt.init(params)
+    step = jax.jit(
+        lambda p, s, g, e: optax_ext.apply_gradients(opt, g, s, p, **e)
+    )
+    extra = {"skip": jnp.asarray(True)} if "skip_when" in wrapper else {}
+    new, _ = step(params, state, {"w": jnp.ones(4)}, extra)
+    np.testing.assert_array_equal(
+        np.asarray(new["w"]).view(np.uint32), np.asarray(params["w"]).view(np.uint32)
+    )
+
+
+def test_equinox_model():
+    """A whole Equinox model (an MLP: activation functions among its leaves)
+    with gradients from `eqx.filter_grad`: the same model as
+    `eqx.apply_updates` after `update`, over a window of MultiSteps."""
+    model = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0))
+    x = jnp.linspace(-1, 1, 15).reshape(5, 3)
+    opt = optax_ext.MultiSteps(optax.adam(1e-2), 2)
+
+    @eqx.filter_grad
+    def grad(model, x):
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    @eqx.filter_jit
+    def reference(model, state, x):
+        updates, state = opt.update(grad(model, x), state, model)
+        return eqx.apply_updates(model, updates), state
+
+    @eqx.filter_jit
+    def fused(model, state, x):
+        return optax_ext.apply_gradients(opt, grad(model, x), state, model)
+
+    m_ref = m_new = model
+    s_ref = s_new = opt.init(eqx.filter(model, eqx.is_array))
+    for i in range(4):
+        m_ref, s_ref = reference(m_ref, s_ref, x + i)
+        m_new, s_new = fused(m_new, s_new, x + i)
+    assert m_new.activation is model.activation
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(m_ref, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(m_new, eqx.is_array)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+    # two windows ran: the model moved
+    assert not np.allclose(m_new.layers[0].weight, model.layers[0].weight)
+
+
+def test_vmap_over_independent_runs():
+    """Under `vmap` (a batched window decision: the `cond` becomes a
+    select), each member equals its own unbatched run."""
+    opt = optax_ext.MultiSteps(optax.adam(1e-2), K)
+    batch = 3
+    params = jax.tree.map(lambda x: jnp.stack([x * (j + 1) for j in range(batch)]), _params())
+    state = jax.vmap(opt.init)(params)
+    # members start at different mini-steps, so their windows differ
+    state = state._replace(mini_step=jnp.arange(batch, dtype=jnp.int32))
+    step = jax.jit(jax.vmap(lambda p, s, g: optax_ext.apply_gradients(opt, g, s, p)))
+    single = jax.jit(lambda p, s, g: optax_ext.apply_gradients(opt, g, s, p))
+    members = [
+        (jax.tree.map(lambda x: x[j], params), jax.tree.map(lambda x: x[j], state))
+        for j in range(batch)
+    ]
+    for i in range(STEPS):
+        grads = jax.tree.map(lambda x: jnp.sin(x + i), params)
+        params, state = step(params, state, grads)
+        members = [
+            single(p, s, jax.tree.map(lambda x: x[j], grads))
+            for j, (p, s) in enumerate(members)
+        ]
+    for j, (p, _) in enumerate(members):
+        for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(params), strict=True):
+            np.testing.assert_allclose(
+                np.asarray(b[j], np.float32), np.asarray(a, np.float32), rtol=1e-6
+            )
+
+
+def test_any_other_optimizer_is_update_then_apply():
+    """An optimizer the function cannot fuse (here a plain chain) gives
+    exactly `update` + `optax.apply_updates`, Python-scalar params too."""
+    opt = optax.chain(optax.clip(0.5), optax.sgd(0.1))
+    params = {"w": jnp.ones(3), "s": 0.5}
+    grads = {"w": jnp.asarray([1.0, -2.0, 3.0]), "s": 2.0}
+    state = opt.init(params)
+    new, _ = optax_ext.apply_gradients(opt, grads, state, params)
+    updates, _ = opt.update(grads, state, params)
+    expected = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(new["w"], expected["w"])
+    np.testing.assert_array_equal(new["s"], expected["s"])
+
+
+def test_extra_args_reach_the_inner_optimizer():
+    """Extra keyword arguments go to the inner optimizer through the fused
+    path: `value=` for reduce_on_plateau inside MultiSteps gives the params
+    of `update` + `apply_updates` with the same values, and other values
+    give other params (the argument is used)."""
+    inner = optax.chain(
+        optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=1, factor=0.5)
+    )
+    opt = optax_ext.MultiSteps(inner, 1)
+    grads = {"w": jnp.ones(2)}
+
+    def run(step, values):
+        params = {"w": jnp.zeros(2)}
+        state = opt.init(params)
+        for v in values:
+            params, state = step(params, state, jnp.asarray(v))
+        return params["w"]
+
+    fused = jax.jit(
+        lambda p, s, v: optax_ext.apply_gradients(opt, grads, s, p, value=v)
+    )
+
+    @jax.jit
+    def reference(p, s, v):
+        updates, s = opt.update(grads, s, p, value=v)
+        return optax.apply_updates(p, updates), s
+
+    worsening = [1.0, 2.0, 3.0, 4.0, 5.0]
+    np.testing.assert_array_equal(run(fused, worsening), run(reference, worsening))
+    improving = [5.0, 4.0, 3.0, 2.0, 1.0]
+    assert not np.array_equal(run(fused, worsening), run(fused, improving))
+
+
+def _temp_over_params(fn, opt, params):
+    state = opt.init(params)
+    compiled = (
+        jax.jit(fn, donate_argnums=(0, 1)).lower(params, state, params).compile()
+    )
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    return compiled.memory_analysis().temp_size_in_bytes / nbytes
+
+
+@pytest.mark.parametrize("leaves,shape", [(8, (256, 256)), (300, (16, 16))])
+@pytest.mark.parametrize("inner", ["adam", "lion", "sgd-nesterov"])
+def test_fused_step_has_no_params_sized_temporary(leaves, shape, inner):
+    """The fused, donated train step needs no params-sized temporary (the
+    accumulator, the moments and the params all stay in their donated
+    buffers; the updates are never materialised), where the drop-in
+    `update` + `apply_updates` needs exactly one: its tree of zero
+    updates."""
+    params = {f"w{i:03d}": jnp.zeros(shape, jnp.float32) for i in range(leaves)}
+    opt = optax_ext.MultiSteps(INNER[inner](), 4)
+
+    def dropin(p, s, g):
+        updates, s = opt.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    def fused(p, s, g):
+        return optax_ext.apply_gradients(opt, g, s, p)
+
+    fused_temp = _temp_over_params(fused, opt, params)
+    dropin_temp = _temp_over_params(dropin, opt, params)
+    # (with many small leaves a few scalars and buffer tables per leaf remain:
+    # 7% of these 1 KiB leaves)
+    assert fused_temp < 0.1, fused_temp
+    assert dropin_temp - fused_temp > 0.98, (dropin_temp, fused_temp)
