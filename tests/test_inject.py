@@ -53,15 +53,22 @@ def test_masks_need_no_static_args(mask, jit):
     opt = optax_ext.inject_hyperparams(optax.adamw)(
         SCHEDULE, weight_decay=0.5, mask=MASKS[mask]()
     )
-    ref = optax.adamw(SCHEDULE, weight_decay=0.5, mask=MASKS[mask]())
+    # Injected numbers are float32 values (docs: Numerics): the reference is
+    # adamw given b1, b2 and eps rounded to float32, bit for bit.
+    f32 = lambda x: float(np.float32(x))  # noqa: E731
+    ref = optax.adamw(
+        SCHEDULE, b1=f32(0.9), b2=f32(0.999), eps=f32(1e-8), weight_decay=0.5,
+        mask=MASKS[mask](),
+    )
     init = jax.jit(opt.init) if jit else opt.init
     update = jax.jit(opt.update) if jit else opt.update
+    ref_update = jax.jit(ref.update) if jit else ref.update
     state, ref_state = init(net), ref.init(net)
     for _ in range(3):
         u, state = update(_grads(net), state, net)
-        r, ref_state = ref.update(_grads(net), ref_state, net)
+        r, ref_state = ref_update(_grads(net), ref_state, net)
         for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(r), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5)  # f32 rounding of 1 - b2
+            np.testing.assert_array_equal(a, b)
         net = eqx.apply_updates(net, u)
     # As in optax: the value used by the last update (step count 2).
     np.testing.assert_allclose(
@@ -299,11 +306,39 @@ def test_callable_pytree_schedule_is_a_schedule():
     assert "learning_rate" in opt.init(jnp.zeros(1)).hyperparams
 
 
-def test_static_args_through_kwargs():
+def test_static_args_keep_python_numbers():
+    """A name in static_args reaches the factory as the Python number given
+    (without it, the same argument is injected: a traced array)."""
+    seen = []
+
+    def factory(learning_rate, b1=0.9):
+        seen.append(b1)
+        return optax.adam(learning_rate, b1=b1)
+
+    for static_args, want_float in [("b1", True), ((), False)]:
+        seen.clear()
+        opt = optax_ext.inject_hyperparams(factory, static_args=static_args)(0.1, b1=0.5)
+        state = jax.jit(opt.init)(jnp.zeros(2))
+        jax.jit(opt.update)(jnp.ones(2), state, jnp.zeros(2))
+        assert ("b1" in state.hyperparams) == (not want_float)
+        assert seen and all(isinstance(b, float) == want_float for b in seen), seen
+        if want_float:
+            assert all(b == 0.5 for b in seen)
+
+
+def test_kwargs_entries_are_passed_through():
+    """`**kwargs` entries of the factory are never injected (rule 1), with or
+    without static_args; the factory sees the Python number."""
+    seen = []
+
     def factory(learning_rate, **kwargs):
-        assert kwargs["b1"] == 0.5 and isinstance(kwargs["b1"], float)
+        seen.append(kwargs["b1"])
         return optax.adam(learning_rate, **kwargs)
 
-    opt = optax_ext.inject_hyperparams(factory, static_args="b1")(0.1, b1=0.5)
-    state = jax.jit(opt.init)(jnp.zeros(2))
-    assert set(state.hyperparams) == {"learning_rate"}
+    for static_args in ["b1", ()]:
+        seen.clear()
+        opt = optax_ext.inject_hyperparams(factory, static_args=static_args)(0.1, b1=0.5)
+        state = jax.jit(opt.init)(jnp.zeros(2))
+        jax.jit(opt.update)(jnp.ones(2), state, jnp.zeros(2))
+        assert set(state.hyperparams) == {"learning_rate"}
+        assert seen and all(type(b) is float and b == 0.5 for b in seen), seen
