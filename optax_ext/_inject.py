@@ -222,13 +222,28 @@ def inject_hyperparams(
     To make an argument a schedule against rules 4-5, wrap it in a `lambda`;
     to pass one through against rules 6-8, name it in `static_args`.
 
-    **Numerics:** injecting never changes the arithmetic of the optimizer.
-    Python numbers and schedule outputs are stored as weakly typed arrays,
-    which promote exactly as the Python float given to the bare factory
-    would: with bfloat16 params, `b2=0.999` is not rounded to `1.0` before
-    the bias correction, and the updates have the bare optimizer's dtype.
-    Arrays given explicitly keep their dtype. `hyperparam_dtype`, if given,
-    casts every floating hyperparameter to it, as in optax.
+    **Numerics:** a numeric hyperparameter is stored in `state.hyperparams`
+    as a strongly typed array, in `hyperparam_dtype` if given, else in the
+    dtype of the value given (float32 for a Python float, float64 under x64),
+    so the state's avals survive checkpoints. Where it is handed to the
+    factory, a hyperparameter given as a Python number or a weakly typed array,
+    and every schedule value, is made weakly typed, so it promotes as the
+    Python number would: with bfloat16 params `b2=0.999` is not rounded to
+    bfloat16 (`1.0`) and the updates have the bare optimizer's dtype. The
+    updates are bit for bit those of the bare factory given each injected
+    number rounded to its stored dtype (`b2=float(np.float32(0.999))`). They
+    differ from the bare factory given the unrounded Python numbers where the
+    factory does arithmetic on hyperparameters in Python (float64): adam's
+    `1 - b2`. Name a hyperparameter in `static_args` to keep it a Python
+    number. `hyperparam_dtype`, if given, must be a floating dtype: floating
+    hyperparameters are stored and handed in it, strongly typed, as in optax.
+
+    **Errors**, each naming the argument: a number given as a string, a
+    non-floating `hyperparam_dtype` (at construction); a factory that does not
+    return a transformation, a schedule whose value is not a scalar number, a
+    mask that does not fit the params (at `init`); a name written into
+    `state.hyperparams` that is not injected, or a float written into an
+    integer hyperparameter (at `update`, while tracing).
 
     **Arguments:**
 
