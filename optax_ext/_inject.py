@@ -108,8 +108,11 @@ def _rejects_str(param: inspect.Parameter) -> bool:
     if annotation is param.empty or isinstance(annotation, str):
         default = param.default
         return isinstance(default, (int, float)) and not isinstance(default, bool)
-    types = _type_args(annotation)
-    return not any(t is str or t is typing.Any or t is object for t in types)
+    types = _type_args(annotation)  # a Literal's strings among them
+    return not any(
+        t is str or t is typing.Any or t is object or isinstance(t, str)
+        for t in types
+    )
 
 
 class _ArgumentError(TypeError):

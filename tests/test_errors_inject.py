@@ -145,3 +145,12 @@ def test_bad_constructor_arguments_property(name, data, dtype):
         optax_ext.inject_hyperparams(optax.adam)(**{"learning_rate": 0.1, name: value})
     with pytest.raises(ValueError, match=rf"got {jnp.dtype(dtype)}"):
         optax_ext.inject_hyperparams(optax.adam, hyperparam_dtype=dtype)
+
+
+def test_strings_the_factory_takes_are_passed_through():
+    """A string where the annotation names str or a Literal of strings (muon's
+    preconditioning) is an option, not a misspelt number."""
+    opt = optax_ext.inject_hyperparams(optax.contrib.muon)(
+        learning_rate=1e-2, preconditioning="spectral"
+    )
+    opt.init({"w": jnp.ones((3, 3))})
