@@ -110,8 +110,7 @@ def _rejects_str(param: inspect.Parameter) -> bool:
         return isinstance(default, (int, float)) and not isinstance(default, bool)
     types = _type_args(annotation)  # a Literal's strings among them
     return not any(
-        t is str or t is typing.Any or t is object or isinstance(t, str)
-        for t in types
+        t is str or t is typing.Any or t is object or isinstance(t, str) for t in types
     )
 
 
@@ -369,7 +368,8 @@ class _Injection:
         call.arguments.update(self.passed)
         tx = self.factory(*call.args, **call.kwargs)
         if not (
-            callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
+            callable(getattr(tx, "init", None))
+            and callable(getattr(tx, "update", None))
         ):
             raise _ArgumentError(
                 f"inner_factory {self._name} returned {describe_value(tx)}; "
@@ -414,8 +414,12 @@ class _Injection:
 
     def _schedule_value(self, name: str, schedule: Any, state: Any, **extra):
         value = schedule(state, **extra)
-        if value is None or isinstance(value, str) or not (
-            isinstance(value, (numbers.Number, np.ndarray, np.generic, jax.Array))
+        if (
+            value is None
+            or isinstance(value, str)
+            or not (
+                isinstance(value, (numbers.Number, np.ndarray, np.generic, jax.Array))
+            )
         ):
             raise _ArgumentError(
                 f"The schedule given as {name} returned {describe_value(value)}; "
@@ -558,9 +562,7 @@ class _Injection:
             count=jnp.zeros((), jnp.int32),
             hyperparams=stored,
             hyperparams_states=schedule_states,
-            inner_state=mirror_param_sharding(
-                self._build(handed).init(params), params
-            ),
+            inner_state=mirror_param_sharding(self._build(handed).init(params), params),
         )
 
     def update(

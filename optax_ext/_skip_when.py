@@ -105,10 +105,11 @@ def skip_when(
     once for both outcomes. The flag is optional: an `update` called without
     it (as flax's `TrainState.apply_gradients` calls it) is not skipped, and
     `inner` runs as if unwrapped. Mind its spelling: a misspelt keyword is
-    forwarded to `inner` like any other extra argument, and does not skip. On a skipped step the updates are exact zeros in
-    the inner updates' dtype and the inner state is returned untouched; on
-    other steps `inner` runs as usual. The state is `inner`'s own, so
-    wrapping changes no checkpoint.
+    forwarded to `inner` like any other extra argument, and does not skip.
+    On a skipped step the updates are exact zeros in the inner updates' dtype
+    and the inner state is returned untouched; on other steps `inner` runs
+    as usual. The state is `inner`'s own, so wrapping changes no checkpoint.
+    As in optax, Python `float` leaves of the params are optimised.
 
     Compared with `optax.transforms.conditionally_mask(inner, fn,
     forward_extra_args=True)`: its zeros take the dtype of the incoming

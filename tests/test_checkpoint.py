@@ -146,9 +146,13 @@ def test_save_restore_continue_is_bit_identical_without_retrace(
     for u in want_updates:  # bf16 params -> bf16 updates, as bare adamw gives
         assert avals(u) == avals(params)
 
-    mid_params, mid_state, _ = _run(step, params, opt.init(params), range(SAVE_AT), dtype)
+    mid_params, mid_state, _ = _run(
+        step, params, opt.init(params), range(SAVE_AT), dtype
+    )
     restored = ROUND_TRIPS[kind](
-        tmp_path, {"params": mid_params, "opt_state": mid_state}, _like(kind, opt, params)
+        tmp_path,
+        {"params": mid_params, "opt_state": mid_state},
+        _like(kind, opt, params),
     )
     assert avals(restored["opt_state"]) == avals(mid_state)
     got_params, got_state, got_updates = _run(
@@ -209,10 +213,16 @@ def test_checkpoints_move_between_optax_and_optax_ext(
     params = _params(dtype)
     source_traces, target_traces = [], []
     mid_params, mid_state, _ = _run(
-        _step_fn(source, source_traces), params, source.init(params), range(SAVE_AT), dtype
+        _step_fn(source, source_traces),
+        params,
+        source.init(params),
+        range(SAVE_AT),
+        dtype,
     )
     restored = _orbax_round_trip(
-        tmp_path, {"params": mid_params, "opt_state": mid_state}, _abstract(target, params)
+        tmp_path,
+        {"params": mid_params, "opt_state": mid_state},
+        _abstract(target, params),
     )
     # The restored state has the target's own avals (orbax casts the leaves).
     assert avals(restored["opt_state"]) == [
@@ -222,7 +232,11 @@ def test_checkpoints_move_between_optax_and_optax_ext(
     target_step = _step_fn(target, target_traces)
     _run(target_step, params, target.init(params), range(1), dtype)
     got_params, _, got_updates = _run(
-        target_step, restored["params"], restored["opt_state"], range(SAVE_AT, STEPS), dtype
+        target_step,
+        restored["params"],
+        restored["opt_state"],
+        range(SAVE_AT, STEPS),
+        dtype,
     )
     assert len(target_traces) == 1, "restoring the other library's state retraced"
     for u in got_updates:

@@ -22,7 +22,9 @@ def test_factory_that_does_not_return_a_transformation():
         return learning_rate * 2
 
     opt = optax_ext.inject_hyperparams(not_a_factory)(learning_rate=0.1)
-    with pytest.raises(TypeError, match=r"not_a_factory returned .*GradientTransformation"):
+    with pytest.raises(
+        TypeError, match=r"not_a_factory returned .*GradientTransformation"
+    ):
         opt.init(P)  # init: the first point where the factory is called
     with pytest.raises(TypeError, match=r"inner_factory must be a function.*got 3"):
         optax_ext.inject_hyperparams(3)
@@ -31,7 +33,10 @@ def test_factory_that_does_not_return_a_transformation():
 @pytest.mark.parametrize(
     "schedule, match",
     [
-        (lambda count: jnp.array([0.1, 0.2]), r"learning_rate returned an array of shape \(2,\)"),
+        (
+            lambda count: jnp.array([0.1, 0.2]),
+            r"learning_rate returned an array of shape \(2,\)",
+        ),
         (lambda count: None, r"learning_rate returned None"),
         (lambda count: "0.1", r"learning_rate returned '0.1'"),
         (lambda count: jnp.asarray(True), r"learning_rate returned .*bool.*a number"),
@@ -69,7 +74,9 @@ def test_schedule_checked_at_update_too():
 def test_mask_that_does_not_match_the_params():
     mask = {"w": True}  # params are {"w", "b"}
     opt = optax_ext.inject_hyperparams(optax.adamw)(learning_rate=0.1, mask=mask)
-    with pytest.raises(ValueError, match=r"mask does not match the params.*\{'w': \*\}"):
+    with pytest.raises(
+        ValueError, match=r"mask does not match the params.*\{'w': \*\}"
+    ):
         opt.init(P)
     fn = lambda params: [True, False]  # noqa: E731 - a function returning a bad tree
     opt = optax_ext.inject_hyperparams(optax.adamw)(learning_rate=0.1, mask=fn)
@@ -93,7 +100,9 @@ def test_hyperparam_dtype_that_cannot_hold_the_values(dtype):
     upstream = optax.inject_hyperparams(optax.sgd, hyperparam_dtype=jnp.int32)(0.1)
     u, _ = upstream.update(G, upstream.init(P), P)
     assert all(bool((x == 0).all()) for x in jax.tree.leaves(u))
-    with pytest.raises((TypeError, ValueError), match=r"hyperparam_dtype must be a floating"):
+    with pytest.raises(
+        (TypeError, ValueError), match=r"hyperparam_dtype must be a floating"
+    ):
         optax_ext.inject_hyperparams(optax.sgd, hyperparam_dtype=dtype)
 
 
@@ -107,7 +116,9 @@ def test_writing_a_name_that_is_not_injected():
     opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=0.1, nesterov=False)
     state = opt.init(P)
     state.hyperparams["nesterov"] = True  # static: passed to the factory as is
-    with pytest.raises(KeyError, match=r"\['nesterov'\] are passed to the factory unchanged"):
+    with pytest.raises(
+        KeyError, match=r"\['nesterov'\] are passed to the factory unchanged"
+    ):
         opt.update(G, state, P)
 
 
@@ -121,7 +132,11 @@ def test_writing_a_float_into_an_integer_hyperparameter():
 
 def test_wrong_state():
     opt = optax_ext.inject_hyperparams(optax.adam)(learning_rate=0.1)
-    with pytest.raises(TypeError, match=r"state must be the optax.InjectStatefulHyperparamsState.*ScaleByAdamState"):
+    with pytest.raises(
+        TypeError,
+        match=r"state must be the optax.InjectStatefulHyperparamsState.*"
+        r"ScaleByAdamState",
+    ):
         opt.update(G, optax.scale_by_adam().init(P), P)
 
 

@@ -57,7 +57,11 @@ def test_masks_need_no_static_args(mask, jit):
     # adamw given b1, b2 and eps rounded to float32, bit for bit.
     f32 = lambda x: float(np.float32(x))  # noqa: E731
     ref = optax.adamw(
-        SCHEDULE, b1=f32(0.9), b2=f32(0.999), eps=f32(1e-8), weight_decay=0.5,
+        SCHEDULE,
+        b1=f32(0.9),
+        b2=f32(0.999),
+        eps=f32(1e-8),
+        weight_decay=0.5,
         mask=MASKS[mask](),
     )
     init = jax.jit(opt.init) if jit else opt.init
@@ -317,7 +321,9 @@ def test_static_args_keep_python_numbers():
 
     for static_args, want_float in [("b1", True), ((), False)]:
         seen.clear()
-        opt = optax_ext.inject_hyperparams(factory, static_args=static_args)(0.1, b1=0.5)
+        opt = optax_ext.inject_hyperparams(factory, static_args=static_args)(
+            0.1, b1=0.5
+        )
         state = jax.jit(opt.init)(jnp.zeros(2))
         jax.jit(opt.update)(jnp.ones(2), state, jnp.zeros(2))
         assert ("b1" in state.hyperparams) == (not want_float)
@@ -337,7 +343,9 @@ def test_kwargs_entries_are_passed_through():
 
     for static_args in ["b1", ()]:
         seen.clear()
-        opt = optax_ext.inject_hyperparams(factory, static_args=static_args)(0.1, b1=0.5)
+        opt = optax_ext.inject_hyperparams(factory, static_args=static_args)(
+            0.1, b1=0.5
+        )
         state = jax.jit(opt.init)(jnp.zeros(2))
         jax.jit(opt.update)(jnp.ones(2), state, jnp.zeros(2))
         assert set(state.hyperparams) == {"learning_rate"}

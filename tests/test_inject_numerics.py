@@ -6,7 +6,6 @@ numbers; they differ from the bare factory given the unrounded Python numbers
 only where the factory combines hyperparameters in Python arithmetic (in
 float64), as adam's `1 - b2`."""
 
-import functools
 import inspect
 
 import hypothesis.strategies as st
@@ -55,7 +54,8 @@ def _run(opt, params, steps, seed=0):
     for _ in range(steps):
         key, sub = jax.random.split(key)
         grads = jax.tree.map(
-            lambda p: jax.random.normal(sub, p.shape).astype(p.dtype), params
+            lambda p, sub=sub: jax.random.normal(sub, p.shape).astype(p.dtype),
+            params,
         )
         updates, state = update(grads, state, params)
         outs.append(updates)
@@ -73,16 +73,16 @@ def _max_ulps(got, want):
         if a.dtype == jnp.float16:
             ia, ib = (np.asarray(x).view(np.int16).astype(np.int64) for x in (a, b))
         elif a.dtype == jnp.bfloat16:  # bfloat16 is the top 16 bits of float32
-            ia, ib = (
-                to_np(x).view(np.int32).astype(np.int64) >> 16 for x in (a, b)
-            )
+            ia, ib = (to_np(x).view(np.int32).astype(np.int64) >> 16 for x in (a, b))
         else:
             ia, ib = (np.asarray(x).view(np.int32).astype(np.int64) for x in (a, b))
         worst = max(worst, int(np.abs(ia - ib).max(initial=0)))
     return worst
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"]
+)
 @pytest.mark.parametrize("name", FACTORIES)
 def test_equals_bare_factory_given_float32_hyperparameters(name, dtype):
     """0 ulps over 10 jitted steps."""
@@ -104,7 +104,9 @@ def test_x64_equals_bare_factory_exactly():
             assert state.hyperparams["learning_rate"].dtype == jnp.float64
             injected = _run(optax_ext.inject_hyperparams(factory)(**kwargs), params, 10)
             bare = _run(factory(**kwargs), params, 10)
-            for a, b in zip(jax.tree.leaves(injected), jax.tree.leaves(bare), strict=True):
+            for a, b in zip(
+                jax.tree.leaves(injected), jax.tree.leaves(bare), strict=True
+            ):
                 assert a.dtype == b.dtype == jnp.float64
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -123,7 +125,9 @@ def test_float32_difference_from_unrounded_bare_is_the_documented_one():
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             a, b = to_np(a).astype(np.float64), to_np(b).astype(np.float64)
             nonzero = b != 0
-            worst = max(worst, float(np.max(np.abs(a - b)[nonzero] / np.abs(b[nonzero]))))
+            worst = max(
+                worst, float(np.max(np.abs(a - b)[nonzero] / np.abs(b[nonzero])))
+            )
         return worst
 
     injected = optax_ext.inject_hyperparams(factory)(**kwargs)
@@ -197,12 +201,20 @@ def test_property_against_float64_reference(
         grads = [signs * rng.uniform(0.5, 2.0, size=shape) for _ in range(steps)]
         if dtype == "complex64":
             grads = [g + 1j * g[::-1] for g in grads]
-        grads = [np.asarray(jnp.asarray(g, jdtype).astype(
-            np.complex128 if dtype == "complex64" else np.float64)) for g in grads]
+        grads = [
+            np.asarray(
+                jnp.asarray(g, jdtype).astype(
+                    np.complex128 if dtype == "complex64" else np.float64
+                )
+            )
+            for g in grads
+        ]
         if name == "sgd-momentum":
             opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=lr, momentum=b1)
         else:
-            opt = optax_ext.inject_hyperparams(optax.adam)(learning_rate=lr, b1=b1, b2=b2)
+            opt = optax_ext.inject_hyperparams(optax.adam)(
+                learning_rate=lr, b1=b1, b2=b2
+            )
         params = {"w": jnp.zeros(shape, jdtype)}
         if python_scalar:
             params["s"] = 0.5

@@ -192,7 +192,9 @@ def test_python_float_param_as_optax(wrap, jit):
     bare_update = jax.jit(bare.update) if compiled else bare.update
     state, ref_state = opt.init(params), bare.init(params)
     for i in range(3):
-        grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2) * p["s"] ** (i + 1))(params)
+        grads = jax.grad(lambda p, i=i: jnp.sum(p["w"] ** 2) * p["s"] ** (i + 1))(
+            params
+        )
         u, state = update(grads, state, params)
         want, ref_state = bare_update(grads, ref_state, params)
         assert avals(u) == avals(want)

@@ -237,7 +237,9 @@ def test_x64_dtypes_match_hand_reference_and_optax(dtype, shape, seed):
         ours = optax_ext.zero_nans()
         out, state = jax.jit(ours.update)(updates, ours.init(updates))
         theirs = optax.zero_nans()
-        _assert_same_as_optax((out, state), theirs.update(updates, theirs.init(updates)))
+        _assert_same_as_optax(
+            (out, state), theirs.update(updates, theirs.init(updates))
+        )
         want, want_nan = _reference(np.asarray(leaf))
         assert out["a"].dtype == jnp.dtype(dtype)
         np.testing.assert_array_equal(np.asarray(out["a"]), want)
