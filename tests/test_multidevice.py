@@ -258,7 +258,7 @@ def _deferred_init(opt, params, mesh):
     return params, jax.jit(init)(params)
 
 
-def _train_deferred(opt, params, xs, ys):
+def _train_deferred(opt, params, xs, ys, fused=False):
     mesh = _data_mesh()
     specs = opt.state_specs()
     with jax.set_mesh(mesh):
@@ -271,7 +271,10 @@ def _train_deferred(opt, params, xs, ys):
             out_specs=(P(), specs),
         )
         def step(params, state, x, y):
-            updates, state = opt.update(_local_grads(params, x, y), state, params)
+            grads = _local_grads(params, x, y)
+            if fused:
+                return optax_ext.apply_gradients(opt, grads, state, params)
+            updates, state = opt.update(grads, state, params)
             return optax.apply_updates(params, updates), state
 
         batch = NamedSharding(mesh, P("data"))
@@ -307,13 +310,16 @@ def _assert_close(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("form", ["update", "apply_gradients"])
 @pytest.mark.parametrize("mean", [True, False])
-def test_deferred_accumulation_equals_one_device_on_the_whole_batch(mean):
+def test_deferred_accumulation_equals_one_device_on_the_whole_batch(mean, form):
     params, xs, ys = _problem(2 * K + 1)
     opt = optax_ext.MultiSteps(
         optax.adam(1e-2), K, use_grad_mean=mean, axis_name="data"
     )
-    got, state, _ = _train_deferred(opt, params, xs, ys)
+    got, state, _ = _train_deferred(
+        opt, params, xs, ys, fused=form == "apply_gradients"
+    )
     _assert_close(got, _reference(optax.adam(1e-2), params, xs, ys, mean=mean))
     assert int(state.gradient_step) == 2 and int(state.mini_step) == 1
     # Each device's accumulator holds the mean of its own shard of the batch.
@@ -379,8 +385,9 @@ def _all_reduces(text):
     return re.findall(r"= (\([^)]*\)|\S+) all-reduce(?:-start)?\(", text)
 
 
+@pytest.mark.parametrize("form", ["update", "apply_gradients"])
 @pytest.mark.parametrize("skip", [False, True])
-def test_mini_step_has_no_collective_and_emit_reduces_once(skip):
+def test_mini_step_has_no_collective_and_emit_reduces_once(skip, form):
     params, xs, ys = _problem(1)
     opt = optax_ext.MultiSteps(
         optax.adam(1e-2),
@@ -388,7 +395,9 @@ def test_mini_step_has_no_collective_and_emit_reduces_once(skip):
         should_skip_update_fn=optax.skip_not_finite if skip else None,
         axis_name="data",
     )
-    _, state, step = _train_deferred(opt, params, xs, ys)
+    _, state, step = _train_deferred(
+        opt, params, xs, ys, fused=form == "apply_gradients"
+    )
     mesh = _data_mesh()
     with jax.set_mesh(mesh):
         batch = NamedSharding(mesh, P("data"))

@@ -1,0 +1,359 @@
+"""MultiSteps in the train step users write, against optax and the floors.
+
+Run with `python benchmarks/train_step.py` (`--quick` for a smoke run that
+writes nothing). Each case (inner optimizer, params layout, dtype) runs in a
+fresh process; within it every candidate is compiled first, then timed
+round-robin in a shuffled order each round (one timing of each candidate
+per round: consecutive calls lasting at least `MIN_SECONDS`), and the
+median over rounds is reported, so that a noisy shared machine slows all
+candidates alike and the ratios stay meaningful.
+
+Every candidate is a train step jitted with params and optimizer state
+donated, the gradients passed in (not donated: they are reused):
+
+- `accumulate`: fold the gradients into a running mean in place, return the
+  params untouched: the least a mini-step can cost (the floor of the fused
+  step);
+- `accumulate+state`: `accumulate` that also takes the inner optimizer's
+  state and returns it untouched (donated): the least a mini-step of any
+  optimizer holding that state can cost. With many small leaves JAX's
+  per-buffer cost of each call dominates: merely passing Adam's two moments
+  through doubles the time of 300 (64, 64) leaves;
+- `floor`: `accumulate+state` plus `optax.apply_updates(params, zeros)`:
+  the least the drop-in `update` API can cost, since it must hand back an
+  updates tree;
+- `bare`: the inner optimizer's own step, `update` + `apply_updates`;
+- `optax` / `ext`: `opt.update` + `optax.apply_updates` with
+  optax.MultiSteps / optax_ext.MultiSteps;
+- `ext fused`: `optax_ext.apply_gradients`;
+- `optax eqx` / `ext eqx`: the same on an Equinox module holding the params
+  and an activation function, with `eqx.apply_updates`;
+- `optax update` / `ext update`: `jax.jit(opt.update, donate_argnums=1)`,
+  the state donated and the params not (the form some code bases use).
+
+each as a mini-step (`every_k_schedule` never reached) and as an emitting
+step (`every_k_schedule=1`). Compiled temporary memory is
+`memory_analysis().temp_size_in_bytes`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+import optax_ext
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run import machine  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+NEVER = 1_000_000_000
+MIN_SECONDS = 0.05
+
+INNER: dict[str, Callable[[], optax.GradientTransformation]] = {
+    "adam": lambda: optax.adam(1e-3),
+    "adafactor": lambda: optax.adafactor(1e-3),
+    "lion": lambda: optax.lion(1e-4),
+    "sgd nesterov": lambda: optax.sgd(1e-3, momentum=0.9, nesterov=True),
+}
+LAYOUTS = {
+    "8 x (1000, 500)": (8, (1000, 500)),
+    "96 x (64, 64)": (96, (64, 64)),
+    "300 x (64, 64)": (300, (64, 64)),
+}
+
+
+class Model(eqx.Module):
+    """Params as an Equinox model: the arrays and a non-array leaf."""
+
+    weights: list
+    activation: Callable = eqx.field(static=False, default=jax.nn.relu)
+
+
+def make_params(layout: str, dtype: str) -> dict[str, jax.Array]:
+    n, shape = LAYOUTS[layout]
+    key = jax.random.key(0)
+    return {
+        f"w{i:03d}": (0.01 * jax.random.normal(jax.random.fold_in(key, i), shape)).astype(
+            dtype
+        )
+        for i in range(n)
+    }
+
+
+def accumulate_transform() -> optax.GradientTransformation:
+    """A running mean in a float32 buffer; updates are zeros."""
+
+    def init(params):
+        acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        return jnp.zeros((), jnp.int32), acc
+
+    def fold(grads, state):
+        n, acc = state
+        acc = jax.tree.map(
+            lambda a, g: a + (g.astype(a.dtype) - a) / (n + 1).astype(a.dtype),
+            acc,
+            grads,
+        )
+        return n + 1, acc
+
+    return optax.GradientTransformation(init, fold)  # update: see `steps`
+
+
+def steps(inner: str, emit: bool) -> dict[str, tuple[Callable, Callable]]:
+    """name -> (init(params), step(params, state, grads) -> (params, state))."""
+    make = INNER[inner]
+    k = 1 if emit else NEVER
+
+    def train_step(opt, apply=optax.apply_updates):
+        def step(params, state, grads):
+            updates, state = opt.update(grads, state, params)
+            return apply(params, updates), state
+
+        return opt.init, step
+
+    def fused(opt):
+        return opt.init, lambda p, s, g: optax_ext.apply_gradients(opt, g, s, p)
+
+    def update_only(opt):
+        def step(params, state, grads):
+            updates, state = opt.update(grads, state, params)
+            return updates, state  # params are not donated in this form
+
+        return opt.init, step
+
+    acc = accumulate_transform()
+    held = make()
+
+    def accumulate(params, state, grads):
+        return params, acc.update(grads, state)
+
+    def init_holding(params):
+        return acc.init(params), held.init(params)
+
+    def accumulate_holding(params, state, grads):
+        acc_state, inner_state = state
+        return params, (acc.update(grads, acc_state), inner_state)
+
+    def floor(params, state, grads):
+        params, state = accumulate_holding(params, state, grads)
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        return optax.apply_updates(params, zeros), state
+
+    def eqx_step(opt):
+        def init(params):
+            return opt.init(eqx.filter(Model(list(params.values())), eqx.is_array))
+
+        def step(params, state, grads):
+            model = Model(list(params.values()))
+            g = Model(list(grads.values()), activation=None)
+            updates, state = opt.update(g, state, eqx.filter(model, eqx.is_array))
+            model = eqx.apply_updates(model, updates)
+            return dict(zip(params, model.weights, strict=True)), state
+
+        return init, step
+
+    out = {
+        "optax": train_step(optax.MultiSteps(make(), k)),
+        "ext": train_step(optax_ext.MultiSteps(make(), k)),
+        "ext fused": fused(optax_ext.MultiSteps(make(), k)),
+        "optax eqx": eqx_step(optax.MultiSteps(make(), k)),
+        "ext eqx": eqx_step(optax_ext.MultiSteps(make(), k)),
+        "optax update": update_only(optax.MultiSteps(make(), k)),
+        "ext update": update_only(optax_ext.MultiSteps(make(), k)),
+    }
+    if emit:
+        out["bare"] = train_step(make())
+    else:
+        out["accumulate"] = (acc.init, accumulate)
+        out["accumulate+state"] = (init_holding, accumulate_holding)
+        out["floor"] = (init_holding, floor)
+    return out
+
+
+class Runner:
+    """One compiled step and the params and state it carries between calls."""
+
+    def __init__(self, init, step, params, grads, donate):
+        self.params = jax.tree.map(jnp.copy, params)
+        self.grads = grads
+        self.donate_params = 0 in donate
+        self.state = init(self.params)
+        jitted = jax.jit(step, donate_argnums=donate)
+        self.compiled = jitted.lower(self.params, self.state, grads).compile()
+        self.temp_bytes = self.compiled.memory_analysis().temp_size_in_bytes
+        self.times: list[float] = []
+        self.call()
+
+    def call(self) -> float:
+        start = time.perf_counter()
+        out, self.state = self.compiled(self.params, self.state, self.grads)
+        jax.block_until_ready((out, self.state))
+        if self.donate_params:
+            self.params = out
+        return time.perf_counter() - start
+
+    def timed(self) -> float:
+        total, calls = 0.0, 0
+        while total < MIN_SECONDS or calls == 0:
+            total += self.call()
+            calls += 1
+        return total / calls
+
+
+def bench(inner: str, layout: str, dtype: str, rounds: int) -> dict:
+    params = make_params(layout, dtype)
+    grads = jax.tree.map(lambda p: jnp.cos(p * 100).astype(p.dtype), params)
+    runners = {}
+    for emit in (False, True):
+        for name, (init, step) in steps(inner, emit).items():
+            donate = (1,) if name.endswith("update") else (0, 1)
+            label = f"{name} {'emit' if emit else 'mini'}"
+            runners[label] = Runner(init, step, params, grads, donate)
+    order = list(runners.values())
+    shuffle = random.Random(0).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for runner in order:
+            runner.times.append(runner.timed())
+    return {
+        name: {
+            "ms": 1e3 * statistics.median(r.times),
+            "temp_mb": r.temp_bytes / 2**20,
+        }
+        for name, r in runners.items()
+    }
+
+
+def cases(quick: bool) -> list[tuple[str, str, str]]:
+    if quick:
+        return [("adam", "96 x (64, 64)", "float32")]
+    out = [(i, lay, "float32") for lay in LAYOUTS for i in INNER]
+    out += [(i, "8 x (1000, 500)", "bfloat16") for i in INNER]
+    return out
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}"
+
+
+def write_tables(results: dict, path: Path) -> str:
+    """One small table per question, from the medians."""
+    rows = [(key.split(" | "), r) for key, r in results.items()]
+    head = [
+        "# MultiSteps in the train step",
+        "",
+        "Generated by `python benchmarks/train_step.py`; do not edit by hand.",
+        f"Machine: {machine()}.",
+        "",
+        "Train step jitted with params and state donated (see the script's "
+        "docstring for each candidate); medians of interleaved rounds, each "
+        "case in a fresh process. ms per step.",
+        "",
+    ]
+    t1 = [
+        "## Drop-in `update` + `optax.apply_updates`: optax_ext against optax",
+        "",
+        "| inner | params | dtype | optax mini | ext mini | optax / ext mini "
+        "| optax emit | ext emit | optax / ext emit |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    t2 = [
+        "## Against the floors",
+        "",
+        "mini: a non-emitting step over its floor (fused: over a bare donated "
+        "accumulate, and over one that also passes the inner state through; "
+        "drop-in: over that + `apply_updates(params, zeros)`). "
+        "emit: an emitting step over (bare inner train step + accumulate).",
+        "",
+        "| inner | params | dtype | fused mini / accumulate "
+        "| fused mini / accumulate+state | drop-in mini / floor "
+        "| fused emit / (bare + acc.) | drop-in emit / (bare + acc.) "
+        "| ext eqx mini / floor | optax mini / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    t3 = [
+        "## Other forms",
+        "",
+        "`jax.jit(opt.update, donate_argnums=1)` (state donated, params not), "
+        "mini-step over the drop-in floor; compiled temporary memory of the "
+        "mini-step in MiB.",
+        "",
+        "| inner | params | dtype | ext update mini / floor | optax update mini / floor "
+        "| temp: ext fused | temp: ext drop-in | temp: optax |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (inner, layout, dtype), r in rows:
+        ms = {k: v["ms"] for k, v in r.items()}
+        temp = {k: v["temp_mb"] for k, v in r.items()}
+        key = f"| {inner} | {layout} | {dtype} |"
+        t1.append(
+            f"{key} {ms['optax mini']:.3f} | {ms['ext mini']:.3f} | "
+            f"{_ratio(ms['optax mini'], ms['ext mini'])} | {ms['optax emit']:.3f} | "
+            f"{ms['ext emit']:.3f} | {_ratio(ms['optax emit'], ms['ext emit'])} |"
+        )
+        emit_floor = ms["bare emit"] + ms["accumulate mini"]
+        t2.append(
+            f"{key} {_ratio(ms['ext fused mini'], ms['accumulate mini'])} | "
+            f"{_ratio(ms['ext fused mini'], ms['accumulate+state mini'])} | "
+            f"{_ratio(ms['ext mini'], ms['floor mini'])} | "
+            f"{_ratio(ms['ext fused emit'], emit_floor)} | "
+            f"{_ratio(ms['ext emit'], emit_floor)} | "
+            f"{_ratio(ms['ext eqx mini'], ms['floor mini'])} | "
+            f"{_ratio(ms['optax mini'], ms['floor mini'])} |"
+        )
+        t3.append(
+            f"{key} {_ratio(ms['ext update mini'], ms['floor mini'])} | "
+            f"{_ratio(ms['optax update mini'], ms['floor mini'])} | "
+            f"{temp['ext fused mini']:.2f} | {temp['ext mini']:.2f} | "
+            f"{temp['optax mini']:.2f} |"
+        )
+    text = "\n".join(head + t1 + [""] + t2 + [""] + t3) + "\n"
+    path.write_text(text)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    if args.case:
+        inner, layout, dtype, rounds = args.case
+        print(json.dumps(bench(inner, layout, dtype, int(rounds))))
+        return
+    results = {}
+    for inner, layout, dtype in cases(args.quick):
+        rounds = 3 if args.quick else args.rounds
+        out = subprocess.run(
+            [sys.executable, __file__, "--case", inner, layout, dtype, str(rounds)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        results[f"{inner} | {layout} | {dtype}"] = json.loads(out.stdout.splitlines()[-1])
+        print(inner, layout, dtype, flush=True)
+    if args.quick:
+        print(write_tables(results, Path("/dev/null")))
+        return
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "train_step.json").write_text(json.dumps(results, indent=1))
+    print(write_tables(results, RESULTS / "train_step.md"))
+
+
+if __name__ == "__main__":
+    main()
