@@ -1,77 +1,12 @@
 """`MultiSteps`: gradient accumulation, a drop-in for `optax.MultiSteps`.
 
-How a step works. Each call folds the incoming gradients into the running
-mean (or sum) in `acc_grads`, then one `lax.cond` on "does this step emit?"
-chooses between two branches:
-
-- emitting: the inner optimizer runs on the accumulated gradients and its
-  updates and new state are returned;
-- accumulating: the updates are zeros and the inner state is returned as it
-  came in.
-
-Everything is chosen by selection, never by arithmetic on state. optax blends
-with `emit * new + (1 - emit) * old`, which is why a NaN accumulated once
-stays forever (`0 * nan == nan`), why a non-emitting step returns NaN where
-the inner update is `inf` (`0 * inf == nan`), and why `bool` state leaves used
-to be promoted to integers (optax issue #828). The accumulator is reset by
-selection too: to zeros by the emitting step (a select, never `0 * acc`),
-and the first mini-step of a window takes its gradient as the mean,
-`where(mini_step == 0, g, running_mean)`, whatever the buffer held.
-
-Why a mini-step costs one accumulation (measured in `benchmarks/run.py`, and
-the compiled HLO is checked in `tests/test_hlo.py`):
-
-- the inner optimizer sits alone inside the `cond`, so XLA runs it only on
-  emitting steps; optax computes it on every mini-step and discards it;
-- the inner state goes into the `cond` and comes back out of the
-  non-emitting branch untouched: with the state donated, XLA hands the same
-  buffers back and copies nothing. That needs the emitting branch to write
-  each new state leaf over the old one, which XLA does only where data
-  dependencies order every read of the old value before the write. Lion's
-  updates read its old `mu` (`sign(b1 * mu + (1 - b1) * g)`) in a loop apart
-  from the one that writes the new `mu`; nothing orders the two, so XLA kept
-  `mu` in a buffer of its own and copied it on every step, emitting or not.
-  `update_if` finds such leaves in the inner update's jaxpr and makes their
-  new value depend on the updates that read the old one (see
-  `_conditional._after`); leaves read only through their new value, like
-  Adam's moments, are left alone;
-- the accumulator goes into the `cond` and comes back out: as it came in
-  from the non-emitting branch, cleared to zeros by the emitting one. XLA
-  keeps a value in a donated input's buffer only if it is the value returned
-  there (or passes through to it), so every candidate that computed the
-  returned accumulator *after* the `cond` (`where(emit, 0, acc)`, or a
-  select on a flag the `cond` returns) kept the running mean in a
-  params-sized temporary and copied it back on every mini-step. Clearing it
-  inside the emitting branch puts the running mean, and the zeros, in the
-  donated buffer, with one condition: the zeros must be written after the
-  inner optimizer's last read of the mean, which nothing orders by itself;
-  `update_if(..., clear_grads=True)` makes them depend on every output of
-  the inner update that reads it (one element read from each), without
-  which XLA copied the accumulator into the non-emitting branch's output.
-  A mini-step is then one fused loop per leaf that accumulates in place,
-  and zeros written into the updates; the compiled update needs no
-  temporary beyond the inner optimizer's own (a few KiB with Adam, against
-  three params-sized buffers for optax; `tests/test_hlo.py`). The element
-  reads need arrays whose elements are all on this device: for params
-  sharded over several devices (outside `shard_map`) reading one would cost
-  a collective, so none is added there, and XLA copies the accumulator on
-  a mini-step instead (the values are the same).
-
-The state after an emitting step holds zeros in `acc_grads`, as optax's
-does, so a state saved by either implementation continues correctly in the
-other.
-
-One caveat is outside the library's reach: JAX pairs donated input buffers
-with outputs by shape and dtype, in order. A jitted step that returns
-`(updates, state)` and donates only the state gets the zero updates paired
-with the inner optimizer's first params-shaped buffers (Adam's moments), so
-every state leaf after them is copied. Donate the gradients too, or return
-the new params rather than the updates (as a train step does).
-
-Under `jax.vmap` with a batched predicate (one accumulation window per batch
-member), `lax.cond` becomes a `select` of both branches: the inner optimizer
-then runs on every step, as in optax, but every result is still selected, so
-all contracts hold; only the saving is lost.
+Each step folds the gradients into a running mean (or sum) in place; on the
+last mini-step of a window the inner optimizer runs, inside one `lax.cond`,
+on the window's mean. Everything is chosen by selection, never by
+arithmetic on state, so no dtype changes and no NaN or `inf` crosses a
+window. With `axis_name`, each device accumulates its own gradients and they
+are averaged once per window. How the accumulator, the inner state and the
+params stay in their donated buffers is in `docs/design.md`.
 """
 
 from __future__ import annotations
@@ -521,7 +456,7 @@ class MultiSteps:
         # Only the inner optimizer sits inside the `cond`. The accumulator goes
         # in and comes back out: cleared in the emitting branch once the inner
         # optimizer has read it, as it came in from the other. Both keep it in
-        # the donated buffer (see the module's docstring). The state after an
+        # the donated buffer (see docs/design.md). The state after an
         # emitting step holds zeros there, as optax's does: a state saved by
         # either implementation continues correctly in the other.
         if fused:

@@ -145,8 +145,8 @@ def test_donated_state_is_updated_in_place(inner):
 
 
 def test_donating_only_the_state_pairs_updates_with_state_buffers():
-    """Why a step that donates only the state copies it (the module
-    docstring's caveat): JAX pairs donated inputs with outputs by shape and
+    """Why a step that donates only the state copies it (docs/design.md,
+    "Donating the state alone"): JAX pairs donated inputs with outputs by shape and
     dtype, in order, so the returned zero updates take the first
     params-shaped state buffers (Adam's `mu`) and those state leaves cannot
     be handed back in place. Donating the gradients too pairs every state
