@@ -1,0 +1,173 @@
+"""The documentation runs: every Python block of README.md and docs/*.md, the
+examples in the public docstrings, and the benchmark figures the pages include.
+
+Each page's ```python blocks run in page order in one namespace, as a reader
+would run them (Sybil's Markdown parsers). A block that cannot run here says
+so in the page with `<!-- skip: next "why" -->` in front of it; shell blocks
+(```bash) are not Python and are not run. A page that needs 8 devices runs in
+the multi-device process (see `test_multidevice_runner.py`).
+"""
+
+import importlib.util
+import inspect
+import pathlib
+import re
+import textwrap
+
+import pytest
+from sybil import Document, Sybil
+from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
+
+import optax_ext
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = ["README.md"] + sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")
+)
+# Pages whose blocks build an 8-device mesh.
+MULTIDEVICE_PAGES = {"docs/data_parallel.md"}
+PARSERS = [PythonCodeBlockParser(), SkipParser()]
+SKIP_DIRECTIVE = re.compile(r"<!--\s*skip:\s*(\w+)(.*?)-->")
+
+
+def _page_params():
+    return [
+        pytest.param(
+            page,
+            id=page,
+            marks=[pytest.mark.multidevice] if page in MULTIDEVICE_PAGES else [],
+        )
+        for page in PAGES
+    ]
+
+
+def _relative(path: str) -> str:
+    try:
+        return str(pathlib.Path(path).relative_to(ROOT))
+    except ValueError:
+        return path
+
+
+def _run_examples(document: Document) -> None:
+    """Evaluates the document's examples in order, naming the failing block."""
+    for example in document:
+        try:
+            example.evaluate()
+        except Exception as error:
+            raise AssertionError(
+                f"the block at {_relative(example.path)}:{example.line} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+
+@pytest.mark.parametrize("page", _page_params())
+def test_python_blocks_of_page_run_in_order(page, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    document = Sybil(PARSERS).parse(ROOT / page)
+    _run_examples(document)
+
+
+def test_every_page_is_checked_and_skips_are_few_and_explained():
+    """Every page is in PAGES; each skip directive gives a reason, and at most
+    a few blocks are skipped across all pages."""
+    assert (ROOT / "docs" / "index.md").exists()
+    skips = []
+    for page in PAGES:
+        for action, reason in SKIP_DIRECTIVE.findall((ROOT / page).read_text()):
+            skips.append(page)
+            if action == "next":
+                assert reason.strip(), f"{page}: a skipped block must say why"
+    assert len(skips) <= 3, f"too many skipped blocks: {skips}"
+
+
+# --- docstring examples ---------------------------------------------------------
+
+# The names a docstring example assumes, defined before it runs; `after` runs
+# what the example only defines.
+_COMMON = """
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import optax_ext
+
+params = {"encoder": jnp.ones((4, 3)), "head": jnp.ones(3)}
+grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+batch = jnp.linspace(-1.0, 1.0, 16 * 4).reshape(16, 4)
+
+
+def loss(params, batch):
+    return jnp.mean((batch @ params["encoder"] @ params["head"]) ** 2)
+"""
+_SETUP = {
+    "apply_gradients": (
+        "opt = optax.adam(1e-3)",
+        "opt_state = opt.init(params)\n"
+        "params, opt_state = train_step(params, opt_state, batch)",
+    ),
+    "inject_hyperparams": (
+        "eqx_model_of_bools = {'encoder': True, 'head': False}",
+        "updates, state = opt.update(grads, state, params)\n"
+        "assert jnp.isclose(state.hyperparams['weight_decay'], 1e-2)",
+    ),
+    "microbatched": (
+        "model = eqx.nn.MLP(4, 'scalar', 8, 1, key=jax.random.key(0))\n"
+        "batch = (batch, jnp.ones(16))\n"
+        "def loss(model, batch):\n"
+        "    x, y = batch\n"
+        "    return jnp.mean((jax.vmap(model)(x) - y) ** 2)",
+        "assert jnp.allclose(loss, grad_fn(model, batch)[0])",
+    ),
+    "skip_when": (
+        "state = optax.chain(\n"
+        "    optax.clip_by_global_norm(1.0), optax_ext.skip_when(optax.adam(1e-3))\n"
+        ").init(params)\n"
+        "loss_is_spiking = jnp.asarray(True)",
+        "assert all(bool((u == 0).all()) for u in jax.tree.leaves(updates))",
+    ),
+    "stop_gradient_where": (
+        "def objective(encoder, head):\n"
+        "    return jnp.sum((encoder @ head) ** 2)",
+        "g = jax.grad(loss)(params, jnp.asarray(True))\n"
+        "assert not g['encoder'].any() and g['head'].any()",
+    ),
+}
+
+
+def _docstring_params():
+    """Every public name, and the public methods of public classes that have
+    an example."""
+    params = []
+    for name in optax_ext.__all__:
+        obj = getattr(optax_ext, name)
+        params.append(pytest.param(name, obj, id=name))
+        if inspect.isclass(obj):
+            for attr, member in vars(obj).items():
+                if (
+                    not attr.startswith("_")
+                    and callable(member)
+                    and "```python" in (inspect.getdoc(member) or "")
+                ):
+                    params.append(pytest.param(f"{name}.{attr}", member, id=f"{name}.{attr}"))
+    return params
+
+
+@pytest.mark.parametrize("name, obj", _docstring_params())
+def test_docstring_examples_run(name, obj):
+    docstring = inspect.getdoc(obj) or ""
+    if "```python" not in docstring:
+        pytest.skip(f"{name}'s docstring has no Python example")
+    setup, after = _SETUP.get(name, ("", ""))
+    document = Document(docstring, f"optax_ext.{name}")
+    namespace = document.namespace
+    namespace["__name__"] = f"docstring_of_{name}"
+    exec(compile(_COMMON + setup, f"<setup for {name}>", "exec"), namespace)
+    for parser in PARSERS:
+        for region in parser(document):
+            document.add(region)
+    _run_examples(document)
+    if after:
+        exec(compile(textwrap.dedent(after), f"<after {name}>", "exec"), namespace)
+
