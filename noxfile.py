@@ -1,35 +1,35 @@
 """Developer tasks. Run `nox -l` to list the sessions, `nox -s NAME` to run one."""
 
 import pathlib
+import sys
 
 import nox
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # nox itself depends on tomli before Python 3.11
+    import tomli as tomllib
 
 nox.options.default_venv_backend = "venv"
 nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
 
+# The oldest Python the package supports (jax >= 0.8.1 needs 3.11), and the
+# newest one the `newest` session tests with the newest JAX.
 PYTHON = "3.11"
+NEWEST_PYTHON = "3.13"
 LINT_PATHS = ["optax_ext", "tests", "examples", "benchmarks", "noxfile.py"]
 # Packages whose lowest declared version the `minversions` session pins.
 MIN_PINNED = ["jax", "jaxlib", "optax", "equinox", "chex"]
-MULTIDEVICE_ENV = {
-    "JAX_PLATFORMS": "cpu",
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-}
+TEST_ENV = {"JAX_PLATFORMS": "cpu"}
 
 
 def _run_tests(session: nox.Session) -> None:
-    """The README test command, then the multi-device tests.
+    """The README test command. It runs the multi-device tests too, once, in a
+    child process with 8 host devices (tests/test_multidevice_runner.py).
 
     Extra pytest arguments go after `--`: `nox -s tests -- -k multi_steps`.
     """
-    args = ["tests", *session.posargs]
-    session.run("pytest", "-n", "2", *args, env={"JAX_PLATFORMS": "cpu"})
-    # Multi-device tests need XLA_FLAGS set before jax starts, so they run in
-    # their own process. Exit code 5 ("no tests collected") is fine here.
-    session.run(
-        "pytest", "-m", "multidevice", *args, env=MULTIDEVICE_ENV, success_codes=[0, 5]
-    )
+    session.run("pytest", "-n", "2", "tests", *session.posargs, env=TEST_ENV)
 
 
 def _minimum_versions() -> list[str]:
@@ -79,6 +79,17 @@ def minversions(session: nox.Session) -> None:
     # One resolver run, so test-only dependencies (flax) pick versions that
     # work with the pinned minimums.
     session.install("-e", ".[test,examples]", *_minimum_versions())
+    session.run("pip", "list")
+    _run_tests(session)
+
+
+@nox.session(python=NEWEST_PYTHON)
+def newest(session: nox.Session) -> None:
+    # The newest releases of every dependency, so that a JAX release that
+    # breaks a fast path shows up here before users see it.
+    session.install(
+        "--upgrade", "--upgrade-strategy", "eager", "-e", ".[test,examples]"
+    )
     session.run("pip", "list")
     _run_tests(session)
 

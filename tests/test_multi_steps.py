@@ -24,7 +24,7 @@ def upstream(reason, raises=None):
     return pytest.param(
         optax.MultiSteps,
         marks=pytest.mark.xfail(strict=True, reason=f"optax: {reason}", raises=raises),
-        id="optax",
+        id="optax-xfail",
     )
 
 
@@ -183,7 +183,12 @@ def _always_inf():
 @pytest.mark.parametrize(
     "impl, jit, dtype",
     [
-        (optax_ext.MultiSteps, jit, dtype)
+        pytest.param(
+            optax_ext.MultiSteps,
+            jit,
+            dtype,
+            id=f"optax_ext-{'jit' if jit else 'eager'}-{jnp.dtype(dtype).name}",
+        )
         for jit in (False, True)
         for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
     ]
@@ -191,7 +196,11 @@ def _always_inf():
     # bfloat16 it stays a product and gives NaN.
     + [
         pytest.param(
-            optax.MultiSteps, True, jnp.bfloat16, marks=pytest.mark.xfail(strict=True)
+            optax.MultiSteps,
+            True,
+            jnp.bfloat16,
+            marks=pytest.mark.xfail(strict=True),
+            id="optax-jit-bfloat16-xfail_0_times_inf_is_nan",
         )
     ],
 )
