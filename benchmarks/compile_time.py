@@ -98,7 +98,9 @@ def candidates(inner: str) -> dict[str, tuple[Callable, dict]]:
                 {},
             ),
             "optax apply_if_finite": (
-                lambda: optax.MultiSteps(optax.apply_if_finite(optax.adamw(1e-3), 3), K),
+                lambda: optax.MultiSteps(
+                    optax.apply_if_finite(optax.adamw(1e-3), 3), K
+                ),
                 {},
             ),
             "optax_ext skip_when": (
@@ -131,7 +133,9 @@ def compile_once(
         return optax.apply_updates(params, updates), opt_state
 
     start, cpu_start = time.perf_counter(), time.process_time()
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+    compiled = (
+        jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+    )
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return seconds, cpu, len(compiled.as_text().splitlines())
 
@@ -215,9 +219,10 @@ def write_table(results: dict, sizes, rounds_of, path: Path) -> str:
                 r = results.get(f"{inner}/{n}")
                 row.append("" if r is None else f"{r[name]['lines']:,}")
             lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Rounds per size: " + ", ".join(
-        f"{n}: {rounds_of(n)}" for n in sizes
-    ) + "."]
+    lines += [
+        "",
+        "Rounds per size: " + ", ".join(f"{n}: {rounds_of(n)}" for n in sizes) + ".",
+    ]
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text

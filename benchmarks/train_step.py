@@ -39,7 +39,6 @@ step (`every_k_schedule=1`). Compiled temporary memory is
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import random
 import statistics
@@ -87,9 +86,9 @@ def make_params(layout: str, dtype: str) -> dict[str, jax.Array]:
     n, shape = LAYOUTS[layout]
     key = jax.random.key(0)
     return {
-        f"w{i:03d}": (0.01 * jax.random.normal(jax.random.fold_in(key, i), shape)).astype(
-            dtype
-        )
+        f"w{i:03d}": (
+            0.01 * jax.random.normal(jax.random.fold_in(key, i), shape)
+        ).astype(dtype)
         for i in range(n)
     }
 
@@ -292,8 +291,9 @@ def write_tables(results: dict, path: Path) -> str:
         "mini-step over the drop-in floor; compiled temporary memory of the "
         "mini-step in MiB.",
         "",
-        "| inner | params | dtype | ext update mini / floor | optax update mini / floor "
-        "| temp: ext fused | temp: ext drop-in | temp: optax |",
+        "| inner | params | dtype | ext update mini / floor "
+        "| optax update mini / floor | temp: ext fused | temp: ext drop-in "
+        "| temp: optax |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for (inner, layout, dtype), r in rows:
@@ -345,7 +345,9 @@ def main() -> None:
             capture_output=True,
             text=True,
         )
-        results[f"{inner} | {layout} | {dtype}"] = json.loads(out.stdout.splitlines()[-1])
+        results[f"{inner} | {layout} | {dtype}"] = json.loads(
+            out.stdout.splitlines()[-1]
+        )
         print(inner, layout, dtype, flush=True)
     if args.quick:
         print(write_tables(results, Path("/dev/null")))

@@ -172,8 +172,7 @@ def _token_after(arrays: list[jax.Array], live: jax.Array) -> jax.Array | None:
         # slice and reshaped to a scalar last, where it meets `live` (a
         # parameter, which stops the sinking), so no round moves anything.
         flags = [
-            jnp.logical_and(live, _always_true(_first(a)).reshape(()))
-            for a in arrays
+            jnp.logical_and(live, _always_true(_first(a)).reshape(())) for a in arrays
         ]
         return functools.reduce(jnp.logical_and, flags)
 

@@ -99,7 +99,9 @@ def test_equals_update_then_apply_updates(inner, wrapper):
         ):
             assert a.dtype == b.dtype, path
             if a.dtype == jnp.bfloat16:
-                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+                np.testing.assert_array_equal(
+                    np.asarray(a, np.float32), np.asarray(b, np.float32)
+                )
             else:
                 np.testing.assert_allclose(b, a, rtol=1e-6, atol=0, err_msg=str(path))
         for a, b in zip(jax.tree.leaves(s_ref), jax.tree.leaves(s_new), strict=True):
@@ -107,16 +109,16 @@ def test_equals_update_then_apply_updates(inner, wrapper):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("wrapper", ["MultiSteps", "MultiSteps(skip_when)", "skip_when"])
+@pytest.mark.parametrize(
+    "wrapper", ["MultiSteps", "MultiSteps(skip_when)", "skip_when"]
+)
 def test_params_untouched_when_nothing_updates(wrapper):
     """A mini-step or a skipped step gives back the params bit for bit (no
     `p + 0` that would turn -0.0 into 0.0 or a NaN param into anything)."""
     opt = WRAPPERS[wrapper](optax.adam(1e-2))
     params = {"w": jnp.asarray([-0.0, jnp.nan, 1e-30, -3.0], jnp.float32)}
     state = opt.init(params)
-    step = jax.jit(
-        lambda p, s, g, e: optax_ext.apply_gradients(opt, g, s, p, **e)
-    )
+    step = jax.jit(lambda p, s, g, e: optax_ext.apply_gradients(opt, g, s, p, **e))
     extra = {"skip": jnp.asarray(True)} if "skip_when" in wrapper else {}
     new, _ = step(params, state, {"w": jnp.ones(4)}, extra)
     np.testing.assert_array_equal(
@@ -166,23 +168,23 @@ def test_vmap_over_independent_runs():
     select), each member equals its own unbatched run."""
     opt = optax_ext.MultiSteps(optax.adam(1e-2), K)
     batch = 3
-    params = jax.tree.map(lambda x: jnp.stack([x * (j + 1) for j in range(batch)]), _params())
+    params = jax.tree.map(
+        lambda x: jnp.stack([x * (j + 1) for j in range(batch)]), _params()
+    )
     state = jax.vmap(opt.init)(params)
     # members start at different mini-steps, so their windows differ
     state = state._replace(mini_step=jnp.arange(batch, dtype=jnp.int32))
     step = jax.jit(jax.vmap(lambda p, s, g: optax_ext.apply_gradients(opt, g, s, p)))
     single = jax.jit(lambda p, s, g: optax_ext.apply_gradients(opt, g, s, p))
-    members = [
-        (jax.tree.map(lambda x: x[j], params), jax.tree.map(lambda x: x[j], state))
-        for j in range(batch)
-    ]
-    for i in range(STEPS):
-        grads = jax.tree.map(lambda x: jnp.sin(x + i), params)
+
+    def member(tree, j):
+        return jax.tree.map(lambda x: x[j], tree)
+
+    members = [(member(params, j), member(state, j)) for j in range(batch)]
+    for _ in range(STEPS):
+        grads = jax.tree.map(jnp.sin, params)
         params, state = step(params, state, grads)
-        members = [
-            single(p, s, jax.tree.map(lambda x: x[j], grads))
-            for j, (p, s) in enumerate(members)
-        ]
+        members = [single(p, s, member(grads, j)) for j, (p, s) in enumerate(members)]
     for j, (p, _) in enumerate(members):
         for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(params), strict=True):
             np.testing.assert_allclose(
@@ -239,9 +241,7 @@ def test_extra_args_reach_the_inner_optimizer():
 
 def _temp_over_params(fn, opt, params):
     state = opt.init(params)
-    compiled = (
-        jax.jit(fn, donate_argnums=(0, 1)).lower(params, state, params).compile()
-    )
+    compiled = jax.jit(fn, donate_argnums=(0, 1)).lower(params, state, params).compile()
     nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
     return compiled.memory_analysis().temp_size_in_bytes / nbytes
 

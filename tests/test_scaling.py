@@ -29,9 +29,7 @@ def counting(inner: optax.GradientTransformation, calls: list):
 
 
 def _params(n, shape=(16, 16)):
-    return {
-        f"w{i:04d}": jnp.full(shape, 0.01 * (i + 1), jnp.float32) for i in range(n)
-    }
+    return {f"w{i:04d}": jnp.full(shape, 0.01 * (i + 1), jnp.float32) for i in range(n)}
 
 
 def _train_step(opt, **extra):
@@ -112,7 +110,7 @@ WRAPPERS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _size(name: str, n: int) -> int:
     extra = {"skip": jnp.asarray(False)} if name.startswith("skip_when") else {}
     return _instructions(_lower(WRAPPERS[name](), _params(n), **extra).compile())

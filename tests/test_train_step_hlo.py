@@ -48,7 +48,8 @@ def _array_fusions(lines, params):
     return [
         line
         for line in lines
-        if _opcode(line) == "fusion" and line.split(" = ")[1].split("{")[0] in _shapes(params)
+        if _opcode(line) == "fusion"
+        and line.split(" = ")[1].split("{")[0] in _shapes(params)
     ]
 
 
