@@ -128,8 +128,7 @@ _SETUP = {
         "assert all(bool((u == 0).all()) for u in jax.tree.leaves(updates))",
     ),
     "stop_gradient_where": (
-        "def objective(encoder, head):\n"
-        "    return jnp.sum((encoder @ head) ** 2)",
+        "def objective(encoder, head):\n    return jnp.sum((encoder @ head) ** 2)",
         "g = jax.grad(loss)(params, jnp.asarray(True))\n"
         "assert not g['encoder'].any() and g['head'].any()",
     ),
@@ -150,7 +149,9 @@ def _docstring_params():
                     and callable(member)
                     and "```python" in (inspect.getdoc(member) or "")
                 ):
-                    params.append(pytest.param(f"{name}.{attr}", member, id=f"{name}.{attr}"))
+                    params.append(
+                        pytest.param(f"{name}.{attr}", member, id=f"{name}.{attr}")
+                    )
     return params
 
 
@@ -171,3 +172,60 @@ def test_docstring_examples_run(name, obj):
     if after:
         exec(compile(textwrap.dedent(after), f"<after {name}>", "exec"), namespace)
 
+
+# --- benchmark figures included from benchmarks/results/ ----------------------
+
+
+def _sync_docs():
+    spec = importlib.util.spec_from_file_location(
+        "sync_docs", ROOT / "benchmarks" / "sync_docs.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_included_results_equal_the_results_files():
+    """Each `<!-- results: FILE -->` include in README.md and docs/*.md holds
+    FILE's current text; refresh with `python benchmarks/sync_docs.py`."""
+    sync_docs = _sync_docs()
+    assert sync_docs.pages() == [ROOT / page for page in PAGES]
+    included = [
+        match["target"]
+        for page in PAGES
+        for match in sync_docs.INCLUDE.finditer((ROOT / page).read_text())
+    ]
+    assert included, "no page includes a results file"
+    assert sync_docs.stale_pages() == [], (
+        "run `python benchmarks/sync_docs.py` to refresh the included results"
+    )
+
+
+def test_sync_docs_finds_and_refreshes_a_stale_include(tmp_path):
+    sync_docs = _sync_docs()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "results.md").write_text(
+        "Machine: x.\n\n## Step time\n\n| a |\n|---|\n| 2.0 |\n\n## Memory\n\n3 MiB\n"
+    )
+    page = tmp_path / "README.md"
+    page.write_text(
+        "Intro.\n\n<!-- results: results.md#step-time -->\n| a |\n|---|\n| 1.0 |\n"
+        "<!-- /results -->\n\n<!-- results: results.md -->\n<!-- /results -->\n"
+    )
+    assert sync_docs.stale_pages(tmp_path) == [
+        "README.md: results.md#step-time, results.md"
+    ]
+    page.write_text(sync_docs.synced(page.read_text(), tmp_path))
+    assert sync_docs.stale_pages(tmp_path) == []
+    text = page.read_text()
+    assert "| 2.0 |" in text and "| 1.0 |" not in text
+    # The section stops at the next heading of its level.
+    section = text.split("#step-time -->")[1].split("<!-- /results -->")[0]
+    assert "3 MiB" not in section
+    with pytest.raises(FileNotFoundError, match="missing.md"):
+        sync_docs.synced("<!-- results: missing.md -->\n<!-- /results -->", tmp_path)
+    with pytest.raises(KeyError, match="no-such"):
+        sync_docs.synced(
+            "<!-- results: results.md#no-such -->\n<!-- /results -->", tmp_path
+        )
