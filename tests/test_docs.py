@@ -229,3 +229,22 @@ def test_sync_docs_finds_and_refreshes_a_stale_include(tmp_path):
         sync_docs.synced(
             "<!-- results: results.md#no-such -->\n<!-- /results -->", tmp_path
         )
+
+
+# --- the API page and the list of pages ---------------------------------------
+
+
+def test_api_page_documents_every_public_name():
+    text = (ROOT / "docs" / "api.md").read_text()
+    documented = re.findall(r"^::: optax_ext\.(\w+)$", text, re.MULTILINE)
+    assert sorted(documented) == sorted(optax_ext.__all__)
+
+
+def test_readme_and_site_nav_list_every_docs_page():
+    readme = (ROOT / "README.md").read_text()
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        assert f"(docs/{page.name})" in readme, f"README does not link {page.name}"
+        assert re.search(rf":\s*{re.escape(page.name)}\s*$", nav, re.MULTILINE), (
+            f"mkdocs.yml nav lacks {page.name}"
+        )
