@@ -28,11 +28,12 @@ import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Markers stand alone on their lines.
 INCLUDE = re.compile(
-    r"(?P<open><!-- results: (?P<target>[^\s#]+)(?:#(?P<section>[\w-]+))? -->\n)"
+    r"^(?P<open><!-- results: (?P<target>[^\s#]+)(?:#(?P<section>[\w-]+))? -->\n)"
     r"(?P<body>.*?)"
-    r"(?P<close><!-- /results -->)",
-    re.DOTALL,
+    r"^(?P<close><!-- /results -->)$",
+    re.DOTALL | re.MULTILINE,
 )
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
