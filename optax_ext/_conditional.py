@@ -31,7 +31,7 @@ def check_transformation(value: Any, name: str) -> None:
 
 def update_if(
     pred: jax.Array,
-    inner_update: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]],
+    inner_update: Callable[..., tuple[PyTree, PyTree]],
     grads: PyTree,
     inner_state: PyTree,
     *,

@@ -256,7 +256,7 @@ def _accumulate(
                 lambda x: lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False),
                 split[i],
             )
-        if keys is not None:
+        if keys is not None and key_argnum is not None:
             key = lax.dynamic_index_in_dim(keys, j, keepdims=False)
             if axis_name is not None:
                 # Each device's rows get their own dropout masks.
