@@ -20,18 +20,24 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from ._apply import apply_gradients, merge_trainable
+from ._apply import apply_gradients, apply_updates, merge_trainable
 from ._conditional import check_transformation, update_if
 from ._sharding import mirror_param_sharding, varying_axes
 from ._static import Method, config_key
 from ._tree import (
+    accumulable,
     check_same_shapes,
     check_same_structure,
+    describe_value,
+    fill_untrained_gaps,
+    restore_none,
     saturating_increment,
-    trainable,
 )
 
 PyTree = Any
+
+
+_INT32_MAX = int(jnp.iinfo(jnp.int32).max)
 
 
 def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
@@ -43,10 +49,11 @@ def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
         except TypeError:
             pass
         else:
-            if k <= 0:
+            if not 1 <= k <= _INT32_MAX:
                 raise ValueError(
-                    f"every_k_schedule must be a positive int, got {k}: it is the "
-                    "number of mini-steps accumulated per update."
+                    f"every_k_schedule must be an int from 1 to 2**31 - 1, got {k}: "
+                    "it is the number of mini-steps accumulated per update, "
+                    "counted in the state's int32 mini_step."
                 )
             return lambda _: k
     raise TypeError(
@@ -56,9 +63,16 @@ def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
     )
 
 
-def _check_k(k: Any) -> jax.Array:
-    """The window length from `every_k_schedule`: a scalar int (a float is
-    accepted, as optax does); a concrete value must be positive."""
+def _check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
+    """The window length from `every_k_schedule`: a scalar int, or a float
+    holding a whole number (as optax accepts). A concrete value must be a
+    whole number from 1 to 2**31 - 1; a traced one is handled by
+    `_window_complete`."""
+    if isinstance(k, int) and not isinstance(k, bool) and not 1 <= k <= _INT32_MAX:
+        raise ValueError(
+            f"every_k_schedule returned {k}; a window is a whole number of "
+            "mini-steps from 1 to 2**31 - 1 (the state counts them in int32)."
+        )
     k = jnp.asarray(k)
     if k.shape != () or not (
         jnp.issubdtype(k.dtype, jnp.integer) or jnp.issubdtype(k.dtype, jnp.floating)
@@ -70,13 +84,115 @@ def _check_k(k: Any) -> jax.Array:
     try:
         concrete = float(k)
     except jax.errors.ConcretizationTypeError:
-        return k  # traced under jit: checked by the caller's values
-    if concrete < 1:
+        return k  # traced under jit: see `_window_complete`
+    try:
+        at = f" at gradient step {int(gradient_step)}"
+    except jax.errors.ConcretizationTypeError:
+        at = ""
+    if not 1 <= concrete <= _INT32_MAX or concrete != int(concrete):
         raise ValueError(
-            f"every_k_schedule returned {concrete:g}; a window needs at least one "
-            "mini-step."
+            f"every_k_schedule returned {concrete:g}{at}; a window is a whole "
+            "number of mini-steps from 1 to 2**31 - 1. Round the schedule's "
+            "output (e.g. `jnp.ceil(k).astype(jnp.int32)`)."
         )
     return k
+
+
+def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
+    """Whether the mini-step `mini_step` (counted from 0) completes a window of
+    `k`. A traced `k` that is not a whole number closes the window at the
+    first mini-step count reaching it (`ceil(k)`); one that is not greater
+    than 0 (or NaN) never does: the window goes on accumulating, as in optax,
+    which never emits for such `k`."""
+    return jnp.logical_and(k > 0, mini_step + 1 >= k)
+
+
+def _check_accumulator_dtype(accumulator_dtype: Any) -> Any:
+    if accumulator_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(accumulator_dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+        raise TypeError(
+            "accumulator_dtype must be a floating or complex dtype (jnp.float32, "
+            f"the default, or wider) or None, got {accumulator_dtype!r}."
+        )
+    return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _holds(wide: Any, narrow: Any) -> bool:
+    """Whether every value of dtype `narrow` is a value of dtype `wide` (as
+    JAX promotes: integers count as held by floats). For the dtypes JAX does
+    not promote together (float8 with float32, say) the formats are
+    compared."""
+    try:
+        return jnp.promote_types(narrow, wide) == wide
+    except jax.dtypes.TypePromotionError:
+        pass
+    if not (jnp.issubdtype(wide, jnp.inexact) and jnp.issubdtype(narrow, jnp.inexact)):
+        return False
+    if jnp.issubdtype(narrow, jnp.complexfloating) and not jnp.issubdtype(
+        wide, jnp.complexfloating
+    ):
+        return False
+    w, n = jnp.finfo(wide), jnp.finfo(narrow)
+    return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
+
+
+def _promote(dtype: Any, accumulator_dtype: Any, path: str) -> Any:
+    """The least dtype holding both, or an error naming `accumulator_dtype`."""
+    try:
+        return jnp.promote_types(dtype, accumulator_dtype)
+    except jax.dtypes.TypePromotionError:
+        pass
+    if _holds(accumulator_dtype, dtype):
+        return jnp.dtype(accumulator_dtype)
+    if _holds(dtype, accumulator_dtype):
+        return jnp.dtype(dtype)
+    raise TypeError(
+        f"MultiSteps(accumulator_dtype={jnp.dtype(accumulator_dtype)}) cannot "
+        f"accumulate the params at {path or 'the root'} of dtype {jnp.dtype(dtype)}: "
+        "neither dtype holds every value of the other. Pass an accumulator_dtype "
+        "that holds both (e.g. jnp.float32 for float8 params)."
+    )
+
+
+def _work_dtype(acc_dtype: Any) -> Any:
+    """The dtype a mini-step's running mean is computed in: float32 for
+    floating accumulators narrower than it (float16, bfloat16, float8), where
+    `g - acc` would overflow (the mean of 6e4 and -6e4 in float16) and every
+    operation would round; the accumulator's own dtype otherwise."""
+    if jnp.issubdtype(acc_dtype, jnp.floating) and jnp.finfo(acc_dtype).bits < 32:
+        return jnp.dtype(jnp.float32)
+    return acc_dtype
+
+
+def _check_state(state: Any, method: str) -> None:
+    """Raises a `TypeError` unless `state` is a `MultiStepsState`-like value
+    with scalar integer counters."""
+    fields = optax.MultiStepsState._fields
+    missing = [f for f in fields if not hasattr(state, f)]
+    if missing:
+        raise TypeError(
+            f"MultiSteps.{method}'s `state` must be the optax.MultiStepsState "
+            f"that MultiSteps.init returned, got {describe_value(state)}, which "
+            f"has no {', '.join(missing)}. Pass the whole MultiSteps state (not "
+            "its inner_opt_state, nor another optimizer's state)."
+        )
+    for name in ("mini_step", "gradient_step"):
+        value = getattr(state, name)
+        dtype = getattr(value, "dtype", None)
+        if (
+            dtype is None
+            or not jnp.issubdtype(dtype, jnp.integer)
+            or jnp.shape(value) != ()
+        ):
+            raise TypeError(
+                f"MultiSteps.{method}'s `state.{name}` must be a scalar integer "
+                f"array (as MultiSteps.init builds it), got {describe_value(value)}."
+            )
 
 
 def _check_skip_output(out: Any, fn: Callable) -> tuple[jax.Array, PyTree]:
@@ -233,9 +349,7 @@ class MultiSteps:
         self._every_k_schedule = _validate_every_k(every_k_schedule)
         self._use_grad_mean = bool(use_grad_mean)
         self._should_skip_update_fn = should_skip_update_fn
-        self._accumulator_dtype = (
-            None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
-        )
+        self._accumulator_dtype = _check_accumulator_dtype(accumulator_dtype)
         self._key = config_key(
             opt,
             every_k_schedule,
@@ -257,12 +371,71 @@ class MultiSteps:
         """The wrapped optimizer."""
         return self._opt
 
-    def _acc_dtype(self, dtype: Any) -> Any:
-        if self._accumulator_dtype is None:
+    def _acc_dtype(self, param: Any, path: str) -> Any:
+        """The accumulator's dtype for a params leaf: the least dtype holding
+        the leaf's dtype and `accumulator_dtype` (a Python number counts as
+        weakly typed, as in JAX's promotion), the leaf's own with `None`;
+        `accumulator_dtype` (float32 with `None`) for integer leaves."""
+        acc = self._accumulator_dtype
+        dtype = jnp.result_type(param)
+        if jnp.issubdtype(dtype, jnp.integer):
+            return jnp.dtype(jnp.float32) if acc is None else acc
+        if acc is None:
             return dtype
-        if jnp.issubdtype(dtype, jnp.inexact):
-            return jnp.promote_types(dtype, self._accumulator_dtype)
-        return self._accumulator_dtype
+        try:
+            return jnp.result_type(param, acc)
+        except jax.dtypes.TypePromotionError:
+            return _promote(dtype, acc, path)
+
+    def _check_grad_dtypes(self, grads: PyTree, acc: PyTree) -> None:
+        """Raises a `TypeError` where a gradient's dtype is not held by the
+        accumulator's: accumulating it would round it."""
+        for (path, g), a in zip(
+            jax.tree_util.tree_flatten_with_path(grads)[0],
+            jax.tree.leaves(acc),
+            strict=True,
+        ):
+            g_dtype = jnp.result_type(g)
+            try:
+                held = jnp.result_type(g, a.dtype) == a.dtype
+            except jax.dtypes.TypePromotionError:
+                held = _holds(a.dtype, g_dtype)
+            if held:
+                continue
+            where = jax.tree_util.keystr(path)
+            try:
+                wide = f"jnp.{_promote(g_dtype, a.dtype, where)}"
+            except TypeError:
+                wide = f"a dtype holding {g_dtype}"
+            raise TypeError(
+                f"MultiSteps: the gradient at {where or 'the root'} has dtype "
+                f"{g_dtype}, but the accumulator for it in the state "
+                f"(acc_grads{where}) has dtype {a.dtype}, which does not hold "
+                f"every {g_dtype} value: accumulating would round every "
+                f"gradient to {a.dtype}. The accumulator's dtype is fixed by "
+                "init: the least dtype holding the params' dtype and "
+                f"accumulator_dtype (here accumulator_dtype="
+                f"{self._accumulator_dtype}). Build MultiSteps with "
+                f"accumulator_dtype={wide} and init it again, or pass gradients "
+                f"of dtype {a.dtype}."
+            )
+
+    def _check_inner_state(self, inner_state: PyTree, acc: PyTree) -> None:
+        """Raises a `TypeError` if the state's inner state is not shaped like
+        this inner optimizer's (another optimizer's state was passed)."""
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), acc)
+        try:
+            expected = jax.tree.structure(jax.eval_shape(self._opt.init, shapes))
+        except Exception:  # noqa: BLE001 - an init that needs real params: no check
+            return
+        got = jax.tree.structure(inner_state)
+        if got != expected:
+            raise TypeError(
+                "MultiSteps.update's `state.inner_opt_state` does not have the "
+                f"structure of the inner optimizer's state: got {got}, expected "
+                f"{expected}. Pass the state that this MultiSteps' init returned "
+                "(not one built by another optimizer)."
+            )
 
     def _should_skip(
         self, updates: PyTree, gradient_step: jax.Array, params: PyTree
@@ -280,10 +453,12 @@ class MultiSteps:
         device's own values, with a leading axis of length 1 (see
         `state_specs`).
         """
-        params = trainable(params)
+        params = accumulable(params)
         per_device = self._per_device_view("init")
-        acc_grads = jax.tree.map(
-            lambda p: jnp.zeros(jnp.shape(p), self._acc_dtype(jnp.result_type(p))),
+        acc_grads = jax.tree_util.tree_map_with_path(
+            lambda path, p: jnp.zeros(
+                jnp.shape(p), self._acc_dtype(p, jax.tree_util.keystr(path))
+            ),
             params,
         )
         gradient_step = jnp.zeros((), jnp.int32)
@@ -368,6 +543,13 @@ class MultiSteps:
         """`update` followed by applying the updates to `params`, fused: a
         mini-step returns `params` as they came in, without building zero
         updates. Prefer `optax_ext.apply_gradients`, which calls this."""
+        if any(
+            isinstance(x, (int, float, complex))
+            for x in jax.tree.leaves(accumulable(params))
+        ):
+            # A Python number cannot pass through the `cond` as itself.
+            updates, state = self.update(grads, state, params, **extra_args)
+            return apply_updates(params, updates), state
         return self._step(grads, state, params, extra_args, fused=True)
 
     def _step(
@@ -379,10 +561,19 @@ class MultiSteps:
         *,
         fused: bool,
     ) -> tuple[PyTree, optax.MultiStepsState]:
+        _check_state(state, "apply_gradients" if fused else "update")
         per_device = self._per_device_view("update")
         acc_in = state.acc_grads
         if per_device:
             acc_in = _drop_device_axis(acc_in, self._axis_name)
+        all_params = params
+        if params is not None:
+            params = accumulable(params)
+        # Integer and Python-number params hold state (as in optax) but get a
+        # `None` gradient from `eqx.filter_grad`: zeros there, `None` back in
+        # the updates.
+        given = updates
+        updates = fill_untrained_gaps(updates, params)
         check_same_structure(
             acc_in,
             updates,
@@ -396,14 +587,13 @@ class MultiSteps:
             got_name="the updates",
             hint="the gradients must have the shapes of the params.",
         )
+        self._check_grad_dtypes(updates, acc_in)
+        self._check_inner_state(state.inner_opt_state, acc_in)
         if per_device:
             _check_local_gradients(updates, acc_in, self._axis_name)
-        all_params = params
-        if params is not None:
-            params = trainable(params)
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
-        k = _check_k(self._every_k_schedule(gradient_step))
+        k = _check_k(self._every_k_schedule(gradient_step), gradient_step)
         should_skip, skip_state = self._should_skip(updates, gradient_step, params)
         if per_device and self._should_skip_update_fn is not None:
             # Every device must take the same decision, or their windows
@@ -412,15 +602,19 @@ class MultiSteps:
             should_skip = votes > 0
 
         def accumulate(g: jax.Array, acc: jax.Array) -> jax.Array:
-            g = g.astype(acc.dtype)
+            # float16 and bfloat16 accumulators are updated in float32 and
+            # rounded once (`_work_dtype`); float32 and wider in their dtype.
+            work = _work_dtype(acc.dtype)
+            g = jnp.asarray(g).astype(work)
+            old = acc.astype(work)
             if self._use_grad_mean:
-                running = acc + (g - acc) / (mini_step + 1).astype(acc.dtype)
+                running = old + (g - old) / (mini_step + 1).astype(work)
             else:
-                running = acc + g
+                running = old + g
             # The first mini-step of a window *selects* its gradient, so even a
             # state whose buffer holds a NaN (one saved by optax.MultiSteps,
             # say) starts the window clean.
-            new = jnp.where(mini_step == 0, g, running)
+            new = jnp.where(mini_step == 0, g, running).astype(acc.dtype)
             if self._should_skip_update_fn is None:
                 return new
             return jnp.where(should_skip, acc, new)
@@ -432,7 +626,9 @@ class MultiSteps:
         acc_grads = jax.tree.map(
             lambda g, acc: accumulate(add_axis(g, 0), acc), updates, state.acc_grads
         )
-        emit = jnp.logical_and(jnp.logical_not(should_skip), mini_step + 1 >= k)
+        emit = jnp.logical_and(
+            jnp.logical_not(should_skip), _window_complete(mini_step, k)
+        )
         update_dtypes = jax.tree.map(lambda g: jnp.result_type(g), updates)
 
         def window_grads(acc_grads):
@@ -441,7 +637,9 @@ class MultiSteps:
                 # averaged over the devices, in the accumulator's dtype.
                 acc_grads = jax.tree.map(lambda acc: acc[0], acc_grads)
                 acc_grads = lax.pmean(acc_grads, self._axis_name)
-            return jax.tree.map(lambda acc, dt: acc.astype(dt), acc_grads, update_dtypes)
+            return jax.tree.map(
+                lambda acc, dt: acc.astype(dt), acc_grads, update_dtypes
+            )
 
         def inner_update(acc_grads, inner_state):
             grads = window_grads(acc_grads)
@@ -473,11 +671,14 @@ class MultiSteps:
             result, inner_state, acc_grads = update_if(
                 emit, inner_update, acc_grads, state.inner_opt_state, clear_grads=True
             )
+            result = restore_none(given, result)
         if per_device:
             skip_state = _add_device_axis(skip_state)
         new_state = optax.MultiStepsState(
             mini_step=jnp.where(
-                emit, 0, jnp.where(should_skip, mini_step, mini_step + 1)
+                emit,
+                0,
+                jnp.where(should_skip, mini_step, saturating_increment(mini_step)),
             ).astype(mini_step.dtype),
             gradient_step=jnp.where(
                 emit, saturating_increment(gradient_step), gradient_step
@@ -489,7 +690,17 @@ class MultiSteps:
         return result, new_state
 
     def has_updated(self, state: optax.MultiStepsState | PyTree) -> jax.Array:
-        """Whether the last `update` with this state emitted non-zero updates."""
+        """`True` when the last *accepted* (not skipped) mini-step completed
+        a window, i.e. the inner optimizer ran and its updates were returned.
+
+        Computed from the counters, as `optax.MultiSteps.has_updated` is
+        (`mini_step == 0` and `gradient_step > 0`). A mini-step skipped by
+        `should_skip_update_fn` changes neither counter, so a skipped step
+        right after an emitting one leaves it `True` although that step
+        returned zeros; optax behaves the same, and the state (shared with
+        optax) has no field to record the skip. Read `state.skip_state`
+        (e.g. `optax.skip_not_finite`'s `should_skip`) to tell them apart.
+        """
         return jnp.logical_and(
             jnp.asarray(state.mini_step) == 0, jnp.asarray(state.gradient_step) > 0
         )

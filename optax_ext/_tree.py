@@ -215,3 +215,65 @@ def describe_value(value: Any) -> str:
     if len(text) > 60:
         text = text[:57] + "..."
     return f"{text} (a {type(value).__name__})"
+
+
+def _is_module(x: Any) -> bool:
+    return isinstance(x, eqx.Module)
+
+
+def _is_integer_leaf(x: Any) -> bool:
+    """An integer array (not `bool`, not a PRNG key) or a Python `int` (not
+    `bool`)."""
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, int):
+        return True
+    dtype = getattr(x, "dtype", None)
+    return (
+        dtype is not None
+        and eqx.is_array(x)
+        and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+        and jnp.issubdtype(dtype, jnp.integer)
+    )
+
+
+def accumulable(tree: PyTree) -> PyTree:
+    """The leaves of `tree` that `optax_ext.MultiSteps` accumulates gradients
+    for (the others are `None`).
+
+    Inside an `equinox.Module`: `optimisable` (floating and complex arrays,
+    Python `float` and `complex`), so a model's integer buffers, keys and
+    functions hold `None`, as `eqx.filter_grad` gives them. Elsewhere (dicts,
+    lists, tuples, a bare array): integer arrays and Python `int`s are kept
+    too, as `optax.MultiSteps` keeps them (it accumulates integer gradients).
+    """
+
+    def keep(x: Any) -> Any:
+        if _is_module(x):
+            return optimisable(x)
+        if eqx.is_inexact_array(x) or is_python_scalar(x) or _is_integer_leaf(x):
+            return x
+        return None
+
+    return jax.tree.map(keep, tree, is_leaf=_is_module)
+
+
+def fill_untrained_gaps(updates: PyTree, params: PyTree) -> PyTree:
+    """`updates` with a zero where it holds `None` and `params` (as given by
+    `accumulable`) a leaf that is not a floating array: a Python number or an
+    integer array, which `eqx.filter_grad` does not differentiate but optax
+    keeps state for. The caller puts the `None` back with `restore_none`.
+    Trees that do not line up are returned unchanged, for the caller's
+    structure check to report."""
+    if params is None:
+        return updates
+
+    def fill(u: Any, p: Any) -> Any:
+        if u is None and p is not None and not eqx.is_inexact_array(p):
+            return jnp.zeros_like(p)
+        return u
+
+    try:
+        return jax.tree.map(fill, updates, params, is_leaf=_is_none)
+    except (ValueError, TypeError):
+        return updates

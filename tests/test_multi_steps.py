@@ -582,12 +582,27 @@ def test_every_k_schedule_output_is_checked(schedule, error):
         opt.update(jnp.ones(2), opt.init(jnp.zeros(2)))
 
 
-def test_python_scalar_params_get_a_clear_error():
-    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
-    with pytest.raises(ValueError, match="jnp.asarray"):
-        opt.update(1.0, opt.init(1.0))
-    # wrapped, it trains
-    _, state = opt.update(jnp.asarray(1.0), opt.init(jnp.asarray(1.0)))
+def test_python_float_params_train_as_in_optax():
+    """Issue 13: a Python float leaf in params was rejected; optax accepts it
+    (and a Python float gradient). The updates equal optax's."""
+    params = {"s": 0.5, "w": jnp.zeros(2)}
+    grads = [{"s": 1.0, "w": jnp.array([1.0, 2.0])}, {"s": 2.0, "w": jnp.ones(2)}]
+    outs = {}
+    for impl in (optax_ext.MultiSteps, optax.MultiSteps):
+        opt = impl(optax.adam(0.1), every_k_schedule=2)
+        state = opt.init(params)
+        for g in grads:
+            u, state = opt.update(g, state, params)
+        outs[impl] = u
+    ours, theirs = outs[optax_ext.MultiSteps], outs[optax.MultiSteps]
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(to_np(a), to_np(b))
+    # apply_gradients: a Python number cannot pass through the cond; the
+    # unfused path gives optax.apply_updates' result.
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=1)
+    new, _ = optax_ext.apply_gradients(opt, grads[0], opt.init(params), params)
+    np.testing.assert_array_equal(to_np(new["s"]), -0.5)
 
 
 def test_scan_and_grad_through_update():

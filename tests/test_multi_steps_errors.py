@@ -1,0 +1,258 @@
+"""MultiSteps: window sizes, bad arguments and bad states (issue 13).
+
+Each error names the argument, what was passed and what is expected, and is
+raised at the earliest point: the constructor, `init`, or the first `update`
+while tracing. Traced window sizes that cannot be checked are given a defined
+behaviour that never emits a wrong update.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _helpers import assert_exact_zeros, to_np
+
+import optax_ext
+
+# --- every_k_schedule --------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [2**31, 2**40, 2**31 + 5])
+def test_every_k_constant_out_of_int32_range_is_refused_at_construction(k):
+    """Issue 13: `every_k_schedule=2**31` passed the constructor and
+    overflowed int32 at the first update."""
+    with pytest.raises(
+        ValueError,
+        match=rf"every_k_schedule must be an int from 1 to 2\*\*31 - 1, got {k}",
+    ):
+        optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=k)
+
+
+def test_every_k_constant_at_int32_max_is_accepted():
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=2**31 - 1)
+    u, _ = opt.update(jnp.ones(1), opt.init(jnp.zeros(1)))
+    assert_exact_zeros(u)
+
+
+@pytest.mark.parametrize("k", [2.5, 0.5, 1.0000001, float("nan"), float("inf")])
+def test_non_integer_schedule_output_is_an_error_eagerly(k):
+    """Issue 13: a schedule returning 2.5 was silently rounded up to 3."""
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=lambda step: k)
+    state = opt.init(jnp.zeros(2))
+    with pytest.raises(
+        ValueError, match=r"every_k_schedule returned .* gradient step 0"
+    ):
+        opt.update(jnp.ones(2), state)
+    # As a concrete array too.
+    opt = optax_ext.MultiSteps(
+        optax.sgd(1.0), every_k_schedule=lambda step: jnp.float32(k)
+    )
+    with pytest.raises(ValueError, match="every_k_schedule returned"):
+        opt.update(jnp.ones(2), state)
+
+
+def test_integral_float_schedule_output_is_accepted():
+    """optax accepts a float k holding a whole number; so do we."""
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=lambda step: 2.0)
+    state = opt.init(jnp.zeros(1))
+    _, state = opt.update(jnp.array([1.0]), state)
+    u, state = opt.update(jnp.array([3.0]), state)
+    np.testing.assert_array_equal(to_np(u), [-2.0])
+
+
+def test_schedule_output_out_of_int32_range_is_an_error():
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=lambda step: 2**31)
+    with pytest.raises(ValueError, match=r"every_k_schedule returned 2147483648"):
+        opt.update(jnp.ones(1), opt.init(jnp.zeros(1)))
+
+
+def _traced_k_run(k_value, n_steps=6):
+    """Runs sgd(1) through MultiSteps with a traced k under jit."""
+    opt = optax_ext.MultiSteps(
+        optax.sgd(1.0), every_k_schedule=lambda step: jnp.asarray(k_value) + 0 * step
+    )
+    state = opt.init(jnp.zeros(2))
+    step = jax.jit(opt.update)
+    outs, updated = [], []
+    grads = [jnp.array([float(i + 1), -2.0 * (i + 1)]) for i in range(n_steps)]
+    for g in grads:
+        u, state = step(g, state)
+        outs.append(to_np(u))
+        updated.append(bool(opt.has_updated(state)))
+    return opt, state, grads, outs, updated
+
+
+def test_traced_fractional_k_closes_the_window_at_ceil_k():
+    """Documented: a traced k that is not a whole number closes the window at
+    the first mini-step count reaching it (ceil(k)); no gradient is lost:
+    the emitted update is the mean of all ceil(k) gradients."""
+    _, state, grads, outs, updated = _traced_k_run(jnp.float32(2.5))
+    assert updated == [False, False, True, False, False, True]
+    np.testing.assert_allclose(outs[2], -np.mean(grads[:3], axis=0), rtol=1e-7)
+    np.testing.assert_allclose(outs[5], -np.mean(grads[3:6], axis=0), rtol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "k", [jnp.int32(0), jnp.int32(-3), jnp.float32(-0.5), jnp.float32(jnp.nan)]
+)
+def test_traced_k_not_positive_never_emits_and_keeps_accumulating(k):
+    """Issue 13: a traced k <= 0 emitted on every step as if k were 1. Now
+    (as in optax, which never emits for such k) the window never closes:
+    zero updates, and the accumulator keeps the running mean of every
+    gradient, so none is lost."""
+    _, state, grads, outs, updated = _traced_k_run(k)
+    assert not any(updated)
+    for u in outs:
+        assert_exact_zeros(jnp.asarray(u))
+    assert int(state.mini_step) == len(grads) and int(state.gradient_step) == 0
+    np.testing.assert_allclose(
+        to_np(state.acc_grads), np.mean(grads, axis=0), rtol=1e-7
+    )
+
+
+def test_mini_step_saturates_instead_of_wrapping():
+    """With a window that never closes, mini_step stops at the int32 maximum
+    rather than wrapping to a negative count."""
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=lambda s: 0 * s)
+    state = opt.init(jnp.zeros(1))
+    top = jnp.iinfo(jnp.int32).max
+    state = state._replace(mini_step=jnp.asarray(top, jnp.int32))
+    u, state = jax.jit(opt.update)(jnp.ones(1), state)
+    assert int(state.mini_step) == top
+    assert_exact_zeros(u)
+
+
+# --- accumulator_dtype ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [jnp.int32, jnp.bool_, "not a dtype", 3])
+def test_accumulator_dtype_must_be_inexact(bad):
+    with pytest.raises(TypeError, match=r"accumulator_dtype must be a floating"):
+        optax_ext.MultiSteps(optax.sgd(1.0), 2, accumulator_dtype=bad)
+
+
+def test_params_and_accumulator_dtype_without_a_common_dtype_name_both():
+    """float8_e4m3fn and float8_e5m2 do not hold each other's values."""
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), 2, accumulator_dtype=jnp.float8_e5m2)
+    with pytest.raises(
+        TypeError,
+        match=r"accumulator_dtype=float8_e5m2.*\['w'\].*float8_e4m3fn",
+    ):
+        opt.init({"w": jnp.zeros(2, jnp.float8_e4m3fn)})
+
+
+# --- the state ---------------------------------------------------------------
+
+
+def _bad_states():
+    params = jnp.zeros(2)
+    return {
+        "None": None,
+        "adam state": optax.adam(1e-3).init(params),
+        "inner state": optax_ext.MultiSteps(optax.sgd(1.0), 2)
+        .init(params)
+        .inner_opt_state,
+        "dict": {"mini_step": 0},
+    }
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("which", list(_bad_states()))
+def test_wrong_state_names_the_argument(which, jit):
+    """Issue 13: an adam state, None or another optimizer's state gave
+    `AttributeError ... no attribute 'acc_grads'` from deep inside."""
+    opt = optax_ext.MultiSteps(optax.adam(1e-3), 2)
+    update = jax.jit(opt.update) if jit else opt.update
+    with pytest.raises(
+        TypeError,
+        match=r"MultiSteps.update's `state` must be the optax.MultiStepsState",
+    ):
+        update(jnp.ones(2), _bad_states()[which], jnp.zeros(2))
+
+
+def test_another_optimizers_multi_steps_state_is_refused():
+    params = jnp.zeros(2)
+    sgd_state = optax_ext.MultiSteps(optax.sgd(1.0), 2).init(params)
+    opt = optax_ext.MultiSteps(optax.adam(1e-3), 2)
+    for update in (opt.update, jax.jit(opt.update)):
+        with pytest.raises(TypeError, match=r"state.inner_opt_state.*structure"):
+            update(jnp.ones(2), sgd_state, params)
+
+
+def test_state_with_non_integer_counters_is_refused():
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), 2)
+    state = opt.init(jnp.zeros(2))._replace(mini_step=0.5)
+    with pytest.raises(TypeError, match=r"state.mini_step.*scalar integer"):
+        opt.update(jnp.ones(2), state)
+
+
+def test_wrong_state_in_apply_gradients_names_it():
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), 2)
+    with pytest.raises(TypeError, match=r"MultiSteps.apply_gradients's `state`"):
+        optax_ext.apply_gradients(opt, jnp.ones(2), None, jnp.zeros(2))
+
+
+def test_optax_state_still_loads():
+    """The state check accepts optax.MultiSteps' own state (checkpoints move
+    both ways)."""
+    params = {"w": jnp.zeros(3)}
+    state = optax.MultiSteps(optax.adam(1e-2), 2).init(params)
+    opt = optax_ext.MultiSteps(optax.adam(1e-2), 2)
+    _, state = opt.update({"w": jnp.ones(3)}, state, params)
+    u, _ = opt.update({"w": jnp.ones(3)}, state, params)
+    assert float(jnp.abs(u["w"]).max()) > 0
+
+
+# --- has_updated ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "impl", [optax_ext.MultiSteps, optax.MultiSteps], ids=["optax_ext", "optax"]
+)
+def test_has_updated_after_a_skipped_step_is_as_documented(impl):
+    """`has_updated` is True when the last *accepted* mini-step completed a
+    window: a skipped step right after an emitting one leaves it True
+    although that step returned zeros. optax does the same, and the state
+    (shared with optax) has no room to record the skip."""
+    opt = impl(optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite)
+    state = opt.init(jnp.zeros(1))
+    _, state = opt.update(jnp.ones(1), state)
+    assert not bool(opt.has_updated(state))
+    u, state = opt.update(jnp.ones(1), state)
+    assert bool(opt.has_updated(state)) and float(u[0]) == -1.0
+    u, state = opt.update(jnp.array([jnp.nan]), state)  # skipped
+    assert bool(opt.has_updated(state))
+    assert_exact_zeros(u)
+    _, state = opt.update(jnp.ones(1), state)
+    assert not bool(opt.has_updated(state))
+
+
+def test_has_updated_docstring_states_the_skip_case():
+    doc = optax_ext.MultiSteps.has_updated.__doc__
+    assert "skipped" in doc and "accepted" in doc
+
+
+# --- Equinox models keep working ---------------------------------------------
+
+
+def test_equinox_filter_grad_of_a_dict_with_integer_leaves():
+    """A plain dict with an integer array: it gets state (as in optax), and
+    `eqx.filter_grad`'s None gradient for it gives a None update."""
+    params = {"w": jnp.array([1.0, 2.0]), "idx": jnp.array([1, 0])}
+
+    def loss(p):
+        return jnp.sum(p["w"][p["idx"]] ** 2)
+
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), 2)
+    state = opt.init(params)
+    step = eqx.filter_jit(opt.update)
+    for _ in range(2):
+        grads = eqx.filter_grad(loss)(params)
+        assert grads["idx"] is None
+        updates, state = step(grads, state, params)
+    assert updates["idx"] is None
+    np.testing.assert_array_equal(to_np(updates["w"]), [-2.0, -4.0])
+    new = optax_ext.apply_gradients(opt, grads, state, params)[0]
+    np.testing.assert_array_equal(np.asarray(new["idx"]), [1, 0])
