@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from ._sharding import mirror_param_sharding
-from ._static import ConfigKey, Method, config_key
+from ._static import ConfigKey, Configured, config_key
 from ._tree import (
     as_weak,
     describe_value,
@@ -300,14 +300,12 @@ def inject_hyperparams(
         injection = _Injection(
             inner_factory, signature, bound.arguments, static, hyperparam_dtype
         )
-        return optax.GradientTransformationExtraArgs(
-            Method(injection, "init"), Method(injection, "update")
-        )
+        return injection.as_transformation()
 
     return wrapped_factory
 
 
-class _Injection:
+class _Injection(Configured):
     """One call of a wrapped factory: its arguments, sorted by kind, and the
     `init` and `update` functions built from them. Two injections compare
     equal when built from the same factory and equal arguments.
@@ -349,12 +347,6 @@ class _Injection:
             config_key(factory, dtype, tuple(sorted(static))),
             tuple((n, ConfigKey(v)) for n, v in arguments.items()),
         )
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Injection) and self._key == other._key
-
-    def __hash__(self) -> int:
-        return hash(self._key)
 
     @property
     def _name(self) -> str:

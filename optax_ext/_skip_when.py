@@ -10,7 +10,7 @@ import optax
 
 from ._apply import apply_gradients, apply_updates, merge_trainable
 from ._conditional import check_transformation, update_if
-from ._static import Method, config_key
+from ._static import Configured, config_key
 from ._tree import (
     fill_scalar_gaps,
     is_python_scalar,
@@ -22,7 +22,7 @@ from ._tree import (
 PyTree = Any
 
 
-class _SkipWhen:
+class _SkipWhen(Configured):
     """`inner` and the name of the flag; equal when built from equal ones."""
 
     def __init__(self, inner: optax.GradientTransformation, flag: str = "skip"):
@@ -33,12 +33,6 @@ class _SkipWhen:
         self._fusable_inner = inner  # as given: see MultiSteps
         self.flag = flag
         self._key = config_key(inner, flag)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _SkipWhen) and self._key == other._key
-
-    def __hash__(self) -> int:
-        return hash(self._key)
 
     def init(self, params: PyTree) -> PyTree:
         return self.inner.init(optimisable(params))
@@ -138,7 +132,4 @@ def skip_when(
     updates, state = opt.update(grads, state, params, skip=loss_is_spiking)
     ```
     """
-    transform = _SkipWhen(inner, flag)
-    return optax.GradientTransformationExtraArgs(
-        Method(transform, "init"), Method(transform, "update")
-    )
+    return _SkipWhen(inner, flag).as_transformation()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import optax
+
 
 class ConfigKey:
     """Wraps one configuration value: equal by value when the value is
@@ -59,3 +61,27 @@ class Method:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.owner, self.name)(*args, **kwargs)
+
+
+class Configured:
+    """Equality and hashing by configuration, and the optax protocol.
+
+    A subclass sets `self._key` (a tuple built with `config_key`) in its
+    `__init__`; two instances of the same class compare and hash equal when
+    their keys do. `as_transformation()` wraps its `init` and `update` as an
+    `optax.GradientTransformationExtraArgs` whose functions compare equal
+    when the instances do.
+    """
+
+    _key: tuple
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._key == other._key  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def as_transformation(self) -> optax.GradientTransformationExtraArgs:
+        return optax.GradientTransformationExtraArgs(
+            Method(self, "init"), Method(self, "update")
+        )
