@@ -288,29 +288,77 @@ class MultiSteps:
       whatever the inner optimizer would have computed;
     - the accumulator is reset by selection, so a NaN or `inf` in one window
       never reaches the next one;
-    - `params` may be a whole Equinox model: leaves that are not floating
-      arrays (functions, integer buffers, keys) are not optimised (they get
-      `None` in the state, as `eqx.filter_grad` gives `None` for them and
-      `eqx.apply_updates` skips them).
+    - `params` may be a whole Equinox model: inside an `equinox.Module`,
+      leaves that are not floating arrays or Python floats (functions,
+      integer buffers, keys) are not optimised (they get `None` in the
+      state, as `eqx.filter_grad` gives `None` for them and
+      `eqx.apply_updates` skips them). Outside a Module (dicts, lists,
+      arrays), integer arrays and Python numbers are accumulated, as optax
+      does; a `None` gradient for one of them (from `eqx.filter_grad`) is
+      taken as zero and its update is `None`.
 
-    **Numerics:** the mean is a running (Welford) mean,
-    `acc + (g - acc) / (n + 1)`, kept in `promote_types(g.dtype,
-    accumulator_dtype)`: float32 for bfloat16 and float16 gradients, the
-    gradient's own dtype for float64 and complex ones. It is cast back to the
-    gradient's dtype before the inner optimizer sees it.
+    **Numerics:**
+
+    - The accumulator of each params leaf has one dtype, fixed by `init`:
+      the least dtype holding both the leaf's dtype and `accumulator_dtype`
+      (`jnp.result_type`, a Python float counting as weakly typed; for
+      dtypes JAX does not promote together, such as float8 with float32, the
+      one that holds every value of the other). float32 for float32,
+      bfloat16 and float16 params (as `optax.MultiSteps`, so states move
+      between the two), float64 for float64 params under x64, complex64 for
+      complex64 params, float32 for float8 params. With
+      `accumulator_dtype=None` it is the leaf's own dtype. Integer leaves
+      accumulate in `accumulator_dtype` (float32 with `None`).
+    - A gradient is never rounded into a narrower accumulator: a gradient
+      whose dtype the accumulator does not hold (complex gradients for real
+      params, float32 gradients for bfloat16 params with
+      `accumulator_dtype=None`, float64 gradients for float32 params under
+      x64) raises a `TypeError` at trace time naming `accumulator_dtype`,
+      the leaf's path and both dtypes; pass a wider `accumulator_dtype`.
+      Python scalars and weakly typed gradients take the accumulator's dtype,
+      as in JAX's promotion; integer gradients are held by float
+      accumulators, as JAX promotes them.
+    - The mean is optax's running (Welford) mean, `acc + (g - acc) / (n +
+      1)`, the first gradient of a window taken as it is; with
+      `use_grad_mean=False`, `acc + g`. float16 and bfloat16 (and float8)
+      accumulators are updated in float32 and rounded once per mini-step,
+      so `g - acc` cannot overflow (the mean of 6e4 and -6e4 in float16 is
+      0); a *sum* beyond the dtype's range is `inf`. Wider accumulators
+      compute in their own dtype.
+    - The window's mean is cast to the gradient's dtype before the inner
+      optimizer sees it (as optax): for integer gradients the cast truncates
+      toward zero.
+
+    **Window sizes:** a constant `every_k_schedule` must be an int from 1 to
+    `2**31 - 1` (checked by the constructor). A schedule's output is checked
+    where it is concrete (eagerly): a whole number from 1 to `2**31 - 1`,
+    int or float, else a `ValueError`. Under `jit` it cannot be checked: a
+    traced `k` that is not a whole number closes the window at the first
+    mini-step count reaching it (`ceil(k)`); a traced `k <= 0` or NaN never
+    closes it (as optax never emits for such `k`): the updates are zeros and
+    the accumulator keeps the running mean of every gradient since the window
+    began, so none is lost, and `mini_step` stops at the int32 maximum.
 
     **Arguments:**
 
     - `opt`: the inner optimizer, an `optax.GradientTransformation`.
-    - `every_k_schedule`: a positive int, or a function from the gradient step
-      (int32 scalar) to the number of mini-steps in that window.
+    - `every_k_schedule`: an int from 1 to `2**31 - 1`, or a function from
+      the gradient step (int32 scalar) to the number of mini-steps in that
+      window (see Window sizes).
     - `use_grad_mean`: average the window's gradients if `True`, else sum them.
     - `should_skip_update_fn`: as in optax, a function `(updates,
       gradient_step, params) -> (should_skip, skip_state)`; a skipped
       mini-step leaves the accumulator, counters and inner state as they were
       (e.g. `optax.skip_not_finite`). It must return a scalar bool.
-    - `accumulator_dtype`: the least dtype to accumulate in (see Numerics);
-      `None` accumulates in each gradient's own dtype.
+    - `accumulator_dtype`: a floating or complex dtype, the least dtype to
+      accumulate in (see Numerics); `None` accumulates in each params leaf's
+      own dtype. Anything else is a `TypeError` from the constructor.
+
+    **Errors** name the argument, what was passed and what is expected: a
+    `state` that is not a `MultiStepsState` (an inner optimizer's state,
+    `None`), or whose `inner_opt_state` does not have this inner optimizer's
+    structure, is a `TypeError` from `update` (at trace time); so are
+    gradients whose tree, shapes or dtypes do not fit the accumulator.
 
     Two `MultiSteps` built from equal arguments (the same inner optimizer
     object, or inner optimizers of this package built from equal arguments)
