@@ -132,10 +132,12 @@ def cast_like(x: jax.Array, like: Any) -> jax.Array:
     if not is_weak(like):
         return lax.convert_element_type(x, like.dtype)
     template = lax.full_like(like, 0, shape=())
-    if x.ndim == 0:
-        return lax.full_like(template, x)
-    flat = jax.vmap(lambda v: lax.full_like(template, v))(x.reshape(-1))
-    return flat.reshape(x.shape)
+    fill = lambda v: lax.full_like(template, v)  # noqa: E731
+    # One vmap per axis rather than over a flattened `x`: a reshape of an
+    # array sharded over an Explicit mesh axis is a sharding error.
+    for _ in range(x.ndim):
+        fill = jax.vmap(fill)
+    return fill(x)
 
 
 def as_weak(x: jax.Array) -> jax.Array:
