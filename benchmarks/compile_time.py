@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import subprocess
@@ -40,6 +39,9 @@ import jax.numpy as jnp
 import optax
 
 import optax_ext
+
+sys.path.insert(0, str(Path(__file__).parent))
+from run import machine  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SIZES = (24, 96, 288, 1000)
@@ -172,14 +174,6 @@ def bench_in_subprocess(inner: str, n_leaves: int, rounds: int) -> dict:
         text=True,
     )
     return json.loads(out.stdout.splitlines()[-1])
-
-
-def machine() -> str:
-    return (
-        f"{platform.processor() or platform.machine()}, {jax.device_count()} "
-        f"{jax.default_backend()} device(s), jax {jax.__version__}, "
-        f"optax {optax.__version__}, Python {platform.python_version()}"
-    )
 
 
 def write_table(results: dict, sizes, rounds_of, path: Path) -> str:

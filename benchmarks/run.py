@@ -200,8 +200,27 @@ def machine() -> str:
     return (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"{jax.devices()[0].platform.upper()}, jax {jax.__version__}, "
-        f"optax {optax.__version__}, Python {platform.python_version()}"
+        f"optax {optax.__version__}, Python {platform.python_version()}; "
+        f"optax_ext at {code_version()}"
     )
+
+
+def code_version() -> str:
+    """The commit the measured optax_ext comes from (`OPTAX_EXT_COMMIT`
+    when run from an exported copy without git)."""
+    if os.environ.get("OPTAX_EXT_COMMIT"):
+        return os.environ["OPTAX_EXT_COMMIT"]
+    here = Path(optax_ext.__file__).parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(here), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "an unknown commit"
+    return f"commit {out.stdout.strip()}"
 
 
 def write_table(results, path: Path) -> str:
