@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 from _helpers import to_np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 
 import optax_ext
 
@@ -127,6 +127,18 @@ def test_float16_running_mean_does_not_overflow(jit):
     _, state = update(jnp.array([top, -top], jnp.float16), state)
     u, _ = update(jnp.array([top, -top], jnp.float16), state)
     np.testing.assert_array_equal(to_np(u), [-top, top])
+
+
+def test_float16_sum_beyond_range_is_inf():
+    """With `use_grad_mean=False` a sum beyond float16's range is inf, as
+    documented (the mean of the same gradients is finite)."""
+    opt = optax_ext.MultiSteps(
+        optax.sgd(1.0), 2, use_grad_mean=False, accumulator_dtype=None
+    )
+    state = opt.init(jnp.zeros(1, jnp.float16))
+    _, state = opt.update(jnp.array([6e4], jnp.float16), state)
+    u, _ = opt.update(jnp.array([6e4], jnp.float16), state)
+    assert np.isneginf(to_np(u)).all()
 
 
 def test_float32_gradients_beyond_float16_range_with_float16_params():
@@ -398,6 +410,9 @@ def test_scalar_and_integer_leaves_equal_optax(leaves, k, seed):
         st.text(max_size=3),
     ),
 )
+@example(every_k=2**31)
+@example(every_k=0)
+@example(every_k=2.5)
 def test_bad_every_k_is_refused_at_construction(every_k):
     valid = (
         isinstance(every_k, int)
