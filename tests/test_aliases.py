@@ -239,6 +239,13 @@ INJECT_XFAIL = {
 }
 
 
+# Wider float32 bounds for inject_hyperparams, measured (every other alias is
+# within A.ULPS): acprop's injected updates differ from the bare alias's by up
+# to 55 float32 ulps beyond A.FLOOR at entries near zero (constant learning
+# rate; 50 with the schedule); within 1e-5 of the leaf's largest update.
+INJECT_ULPS = {"acprop": {jnp.dtype(jnp.float32): 64}}
+
+
 @pytest.mark.parametrize("lr", ["constant", "schedule"])
 @by_dtype("float32", "bfloat16")
 @by_name
@@ -264,7 +271,7 @@ def test_inject_hyperparams_matches_bare(name, dtype, lr, request):
     for i, (g, w) in enumerate(zip(steps, want, strict=True)):
         updates, state = update(g, state, params)
         A.assert_same_avals(state, state0, f"state after step {i}")
-        A.assert_close(updates, w, f"updates at step {i}")
+        A.assert_close(updates, w, f"updates at step {i}", ulps=INJECT_ULPS.get(name))
         params = _apply_updates(params, updates)
     assert update._cache_size() == 1, "jit(update) compiled more than once"
     if lr == "schedule":
