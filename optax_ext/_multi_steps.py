@@ -609,8 +609,8 @@ class MultiSteps:
         *,
         fused: bool,
     ) -> tuple[PyTree, optax.MultiStepsState]:
-        _check_state(state, "apply_gradients" if fused else "update")
         per_device = self._per_device_view("update")
+        _check_state(state, "apply_gradients" if fused else "update")
         acc_in = state.acc_grads
         if per_device:
             acc_in = _drop_device_axis(acc_in, self._axis_name)
