@@ -108,7 +108,7 @@ def make_optimizer(
     # inject_hyperparams evaluates the schedule on its own step count, which
     # MultiSteps advances once per emitted update, not once per micro-batch.
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
+        init_value=PEAK_LR / 10,  # the first update already moves the model
         peak_value=PEAK_LR,
         warmup_steps=max(1, num_updates // 10),
         decay_steps=num_updates,

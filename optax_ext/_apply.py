@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._static import Method
+from ._static import Configured, Method
 
 PyTree = Any
 
@@ -45,13 +45,11 @@ def _fused(optimizer: Any) -> Any:
     """The object whose `apply_gradients` fuses `optimizer`'s step, if any:
     a `MultiSteps` itself, or the owner behind the `Method`s of
     `MultiSteps.gradient_transformation()` and `skip_when(...)`."""
-    if callable(getattr(type(optimizer), "apply_gradients", None)):
-        return optimizer
-    update = getattr(optimizer, "update", None)
-    if isinstance(update, Method) and callable(
-        getattr(type(update.owner), "apply_gradients", None)
-    ):
-        return update.owner
+    owner = optimizer
+    if isinstance(getattr(optimizer, "update", None), Method):
+        owner = optimizer.update.owner
+    if isinstance(owner, Configured) and hasattr(owner, "apply_gradients"):
+        return owner
     return None
 
 

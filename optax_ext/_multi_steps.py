@@ -18,12 +18,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from ._apply import apply_gradients, apply_updates, merge_trainable
 from ._conditional import check_transformation, update_if
-from ._sharding import mirror_param_sharding, varying_axes
-from ._static import Method, config_key
+from ._devices import view
+from ._sharding import mirror_param_sharding
+from ._static import Configured, config_key
 from ._tree import (
     accumulable,
     check_same_shapes,
@@ -216,52 +216,88 @@ def _check_skip_output(out: Any, fn: Callable) -> tuple[jax.Array, PyTree]:
     return should_skip, skip_state
 
 
-def _add_device_axis(tree: PyTree) -> PyTree:
-    return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tree)
+def _fold(g: jax.Array, acc: jax.Array, mini_step: jax.Array, mean: bool) -> jax.Array:
+    """`acc` with the gradient `g` folded in: the running mean (Welford,
+    `acc + (g - acc) / (n + 1)`) or sum; the first mini-step of a window
+    *selects* `g`, so even a buffer holding a NaN (a state saved by
+    optax.MultiSteps, say) starts the window clean. float16 and bfloat16
+    accumulators are updated in float32 and rounded once (`_work_dtype`)."""
+    work = _work_dtype(acc.dtype)
+    g = jnp.asarray(g).astype(work)
+    old = acc.astype(work)
+    running = old + (g - old) / (mini_step + 1).astype(work) if mean else old + g
+    return jnp.where(mini_step == 0, g, running).astype(acc.dtype)
 
 
-def _drop_device_axis(acc_grads: PyTree, axis_name: Any) -> PyTree:
-    def drop(path, x):
-        if jnp.ndim(x) == 0 or jnp.shape(x)[0] != 1:
-            raise ValueError(
-                f"MultiSteps(axis_name={axis_name!r}) expects this device's "
-                "accumulator, with a leading axis of length 1, at "
-                f"acc_grads{jax.tree_util.keystr(path)}; got shape {jnp.shape(x)}. "
-                "Build the state with `opt.init` inside `jax.shard_map` and pass "
-                "`opt.state_specs()` as the state's in_specs and out_specs."
-            )
-        return x[0]
+def _acc_dtype(param: Any, acc: Any, path: str) -> Any:
+    """The accumulator's dtype for a params leaf: the least dtype holding
+    the leaf's dtype and `accumulator_dtype` (a Python number counts as
+    weakly typed, as in JAX's promotion), the leaf's own with `None`;
+    `accumulator_dtype` (float32 with `None`) for integer leaves."""
+    dtype = jnp.result_type(param)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.dtype(jnp.float32) if acc is None else acc
+    if acc is None:
+        return dtype
+    try:
+        return jnp.result_type(param, acc)
+    except jax.dtypes.TypePromotionError:
+        return _promote(dtype, acc, path)
 
-    return jax.tree_util.tree_map_with_path(drop, acc_grads)
 
-
-def _check_local_gradients(updates: PyTree, acc: PyTree, axis_name: Any) -> None:
-    """Under `shard_map`'s type checks, raises if the gradients are the same
-    on every device while the accumulator is not: `jax.grad` with respect to
-    replicated params has then already summed them over the devices, and
-    averaging them again would be silently wrong."""
+def _check_grad_dtypes(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None:
+    """Raises a `TypeError` where a gradient's dtype is not held by the
+    accumulator's: accumulating it would round it."""
     for (path, g), a in zip(
-        jax.tree_util.tree_flatten_with_path(updates)[0],
+        jax.tree_util.tree_flatten_with_path(grads)[0],
         jax.tree.leaves(acc),
         strict=True,
     ):
-        g_axes, a_axes = varying_axes(g), varying_axes(a)
-        if g_axes is None or a_axes is None:
-            return
-        if axis_name in a_axes and axis_name not in g_axes:
-            raise ValueError(
-                f"MultiSteps(axis_name={axis_name!r}) accumulates each device's "
-                "own gradients and averages them once per window, but the "
-                f"gradients at {jax.tree_util.keystr(path) or 'the root'} are "
-                f"the same on every device along {axis_name!r}: under "
-                "`jax.shard_map`, `jax.grad` with respect to replicated params "
-                "sums the gradients over the devices already. Take the gradient "
-                f"with respect to `jax.lax.pcast(params, {axis_name!r}, "
-                "to='varying')` to get this device's gradients."
-            )
+        g_dtype = jnp.result_type(g)
+        try:
+            held = jnp.result_type(g, a.dtype) == a.dtype
+        except jax.dtypes.TypePromotionError:
+            held = _holds(a.dtype, g_dtype)
+        if held:
+            continue
+        where = jax.tree_util.keystr(path)
+        try:
+            wide = f"jnp.{_promote(g_dtype, a.dtype, where)}"
+        except TypeError:
+            wide = f"a dtype holding {g_dtype}"
+        raise TypeError(
+            f"MultiSteps: the gradient at {where or 'the root'} has dtype "
+            f"{g_dtype}, but the accumulator for it in the state "
+            f"(acc_grads{where}) has dtype {a.dtype}, which does not hold "
+            f"every {g_dtype} value: accumulating would round every "
+            f"gradient to {a.dtype}. The accumulator's dtype is fixed by "
+            "init: the least dtype holding the params' dtype and "
+            f"accumulator_dtype (here accumulator_dtype="
+            f"{accumulator_dtype}). Build MultiSteps with "
+            f"accumulator_dtype={wide} and init it again, or pass gradients "
+            f"of dtype {a.dtype}."
+        )
 
 
-class MultiSteps:
+def _check_inner_state(init: Callable, inner_state: PyTree, acc: PyTree) -> None:
+    """Raises a `TypeError` if the state's inner state is not shaped like
+    this inner optimizer's (another optimizer's state was passed)."""
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), acc)
+    try:
+        expected = jax.tree.structure(jax.eval_shape(init, shapes))
+    except Exception:  # noqa: BLE001 - an init that needs real params: no check
+        return
+    got = jax.tree.structure(inner_state)
+    if got != expected:
+        raise TypeError(
+            "MultiSteps.update's `state.inner_opt_state` does not have the "
+            f"structure of the inner optimizer's state: got {got}, expected "
+            f"{expected}. Pass the state that this MultiSteps' init returned "
+            "(not one built by another optimizer)."
+        )
+
+
+class MultiSteps(Configured):
     """Accumulates gradients over several mini-steps, then applies `opt` once.
 
     A drop-in for `optax.MultiSteps`: the same constructor, `init`, `update`
@@ -406,84 +442,12 @@ class MultiSteps:
             self._accumulator_dtype,
             axis_name,
         )
-        self._axis_name = axis_name
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, MultiSteps) and self._key == other._key
-
-    def __hash__(self) -> int:
-        return hash(self._key)
+        self._devices = view(axis_name)
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
         """The wrapped optimizer."""
         return self._opt
-
-    def _acc_dtype(self, param: Any, path: str) -> Any:
-        """The accumulator's dtype for a params leaf: the least dtype holding
-        the leaf's dtype and `accumulator_dtype` (a Python number counts as
-        weakly typed, as in JAX's promotion), the leaf's own with `None`;
-        `accumulator_dtype` (float32 with `None`) for integer leaves."""
-        acc = self._accumulator_dtype
-        dtype = jnp.result_type(param)
-        if jnp.issubdtype(dtype, jnp.integer):
-            return jnp.dtype(jnp.float32) if acc is None else acc
-        if acc is None:
-            return dtype
-        try:
-            return jnp.result_type(param, acc)
-        except jax.dtypes.TypePromotionError:
-            return _promote(dtype, acc, path)
-
-    def _check_grad_dtypes(self, grads: PyTree, acc: PyTree) -> None:
-        """Raises a `TypeError` where a gradient's dtype is not held by the
-        accumulator's: accumulating it would round it."""
-        for (path, g), a in zip(
-            jax.tree_util.tree_flatten_with_path(grads)[0],
-            jax.tree.leaves(acc),
-            strict=True,
-        ):
-            g_dtype = jnp.result_type(g)
-            try:
-                held = jnp.result_type(g, a.dtype) == a.dtype
-            except jax.dtypes.TypePromotionError:
-                held = _holds(a.dtype, g_dtype)
-            if held:
-                continue
-            where = jax.tree_util.keystr(path)
-            try:
-                wide = f"jnp.{_promote(g_dtype, a.dtype, where)}"
-            except TypeError:
-                wide = f"a dtype holding {g_dtype}"
-            raise TypeError(
-                f"MultiSteps: the gradient at {where or 'the root'} has dtype "
-                f"{g_dtype}, but the accumulator for it in the state "
-                f"(acc_grads{where}) has dtype {a.dtype}, which does not hold "
-                f"every {g_dtype} value: accumulating would round every "
-                f"gradient to {a.dtype}. The accumulator's dtype is fixed by "
-                "init: the least dtype holding the params' dtype and "
-                f"accumulator_dtype (here accumulator_dtype="
-                f"{self._accumulator_dtype}). Build MultiSteps with "
-                f"accumulator_dtype={wide} and init it again, or pass gradients "
-                f"of dtype {a.dtype}."
-            )
-
-    def _check_inner_state(self, inner_state: PyTree, acc: PyTree) -> None:
-        """Raises a `TypeError` if the state's inner state is not shaped like
-        this inner optimizer's (another optimizer's state was passed)."""
-        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), acc)
-        try:
-            expected = jax.tree.structure(jax.eval_shape(self._opt.init, shapes))
-        except Exception:  # noqa: BLE001 - an init that needs real params: no check
-            return
-        got = jax.tree.structure(inner_state)
-        if got != expected:
-            raise TypeError(
-                "MultiSteps.update's `state.inner_opt_state` does not have the "
-                f"structure of the inner optimizer's state: got {got}, expected "
-                f"{expected}. Pass the state that this MultiSteps' init returned "
-                "(not one built by another optimizer)."
-            )
 
     def _should_skip(
         self, updates: PyTree, gradient_step: jax.Array, params: PyTree
@@ -502,10 +466,11 @@ class MultiSteps:
         `state_specs`).
         """
         params = accumulable(params)
-        per_device = self._per_device_view("init")
+        self._devices.check_bound("init")
         acc_grads = jax.tree_util.tree_map_with_path(
             lambda path, p: jnp.zeros(
-                jnp.shape(p), self._acc_dtype(p, jax.tree_util.keystr(path))
+                jnp.shape(p),
+                _acc_dtype(p, self._accumulator_dtype, jax.tree_util.keystr(path)),
             ),
             params,
         )
@@ -521,12 +486,10 @@ class MultiSteps:
             skip_state=skip_state,
         )
         state = mirror_param_sharding(state, params)
-        if per_device:
-            state = state._replace(
-                acc_grads=_add_device_axis(state.acc_grads),
-                skip_state=_add_device_axis(state.skip_state),
-            )
-        return state
+        return state._replace(
+            acc_grads=self._devices.add_axis(state.acc_grads),
+            skip_state=self._devices.add_axis(state.skip_state),
+        )
 
     def state_specs(self) -> optax.MultiStepsState:
         """`jax.sharding.PartitionSpec`s of the state, for `jax.shard_map`'s
@@ -539,36 +502,13 @@ class MultiSteps:
         state are the same on every device, `P()`.
         """
         replicated: Any = jax.sharding.PartitionSpec()
-        per_device: Any = (
-            replicated
-            if self._axis_name is None
-            else jax.sharding.PartitionSpec(self._axis_name)
-        )
         return optax.MultiStepsState(
             mini_step=replicated,
             gradient_step=replicated,
             inner_opt_state=replicated,
-            acc_grads=per_device,
-            skip_state=per_device,
+            acc_grads=self._devices.spec(),
+            skip_state=self._devices.spec(),
         )
-
-    def _per_device_view(self, method: str) -> bool:
-        """Whether the state holds per-device accumulators; checks that
-        `axis_name` is bound where `method` runs."""
-        if self._axis_name is None:
-            return False
-        try:
-            lax.axis_size(self._axis_name)
-        except NameError as e:
-            raise NameError(
-                f"MultiSteps(axis_name={self._axis_name!r}).{method} must run "
-                f"where the mesh axis {self._axis_name!r} is bound, inside "
-                "`jax.shard_map` (or `jax.vmap`/`jax.pmap` with that axis_name), "
-                "with the state's `acc_grads` and `skip_state` split over it: "
-                "pass `opt.state_specs()` as their in_specs and out_specs. "
-                f"({e})"
-            ) from None
-        return True
 
     def update(
         self,
@@ -609,11 +549,10 @@ class MultiSteps:
         *,
         fused: bool,
     ) -> tuple[PyTree, optax.MultiStepsState]:
-        per_device = self._per_device_view("update")
+        devices = self._devices
+        devices.check_bound("update")
         _check_state(state, "apply_gradients" if fused else "update")
-        acc_in = state.acc_grads
-        if per_device:
-            acc_in = _drop_device_axis(acc_in, self._axis_name)
+        acc_in = devices.drop_axis(state.acc_grads)
         all_params = params
         if params is not None:
             params = accumulable(params)
@@ -635,44 +574,28 @@ class MultiSteps:
             got_name="the updates",
             hint="the gradients must have the shapes of the params.",
         )
-        self._check_grad_dtypes(updates, acc_in)
-        self._check_inner_state(state.inner_opt_state, acc_in)
-        if per_device:
-            _check_local_gradients(updates, acc_in, self._axis_name)
+        _check_grad_dtypes(updates, acc_in, self._accumulator_dtype)
+        _check_inner_state(self._opt.init, state.inner_opt_state, acc_in)
+        devices.check_gradients(updates, acc_in)
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
         k = _check_k(self._every_k_schedule(gradient_step), gradient_step)
         should_skip, skip_state = self._should_skip(updates, gradient_step, params)
-        if per_device and self._should_skip_update_fn is not None:
-            # Every device must take the same decision, or their windows
-            # drift apart: one scalar all-reduce per mini-step.
-            votes = lax.psum(should_skip.astype(jnp.int32), self._axis_name)
-            should_skip = votes > 0
+        skipping = self._should_skip_update_fn is not None
+        if skipping:
+            should_skip = devices.agree(should_skip)
 
         def accumulate(g: jax.Array, acc: jax.Array) -> jax.Array:
-            # float16 and bfloat16 accumulators are updated in float32 and
-            # rounded once (`_work_dtype`); float32 and wider in their dtype.
-            work = _work_dtype(acc.dtype)
-            g = jnp.asarray(g).astype(work)
-            old = acc.astype(work)
-            if self._use_grad_mean:
-                running = old + (g - old) / (mini_step + 1).astype(work)
-            else:
-                running = old + g
-            # The first mini-step of a window *selects* its gradient, so even a
-            # state whose buffer holds a NaN (one saved by optax.MultiSteps,
-            # say) starts the window clean.
-            new = jnp.where(mini_step == 0, g, running).astype(acc.dtype)
-            if self._should_skip_update_fn is None:
-                return new
-            return jnp.where(should_skip, acc, new)
+            new = _fold(g, acc, mini_step, self._use_grad_mean)
+            return jnp.where(should_skip, acc, new) if skipping else new
 
-        # With `axis_name` the accumulator keeps its device axis through the
-        # `cond` (the gradient gets one): a reshape of the `cond`'s result made
-        # XLA copy it into the state.
-        add_axis = jnp.expand_dims if per_device else (lambda g, _: g)
+        # The gradient gets the state's device axis (if any), which the
+        # accumulator keeps through the `cond`: a reshape of the `cond`'s
+        # result made XLA copy it into the state.
         acc_grads = jax.tree.map(
-            lambda g, acc: accumulate(add_axis(g, 0), acc), updates, state.acc_grads
+            lambda g, acc: accumulate(devices.add_axis(g), acc),
+            updates,
+            state.acc_grads,
         )
         emit = jnp.logical_and(
             jnp.logical_not(should_skip), _window_complete(mini_step, k)
@@ -680,11 +603,7 @@ class MultiSteps:
         update_dtypes = jax.tree.map(lambda g: jnp.result_type(g), updates)
 
         def window_grads(acc_grads):
-            if per_device:
-                # The only collective of a window: this device's mean (or sum)
-                # averaged over the devices, in the accumulator's dtype.
-                acc_grads = jax.tree.map(lambda acc: acc[0], acc_grads)
-                acc_grads = lax.pmean(acc_grads, self._axis_name)
+            acc_grads = devices.window_mean(acc_grads)
             return jax.tree.map(
                 lambda acc, dt: acc.astype(dt), acc_grads, update_dtypes
             )
@@ -720,8 +639,7 @@ class MultiSteps:
                 emit, inner_update, acc_grads, state.inner_opt_state, clear_grads=True
             )
             result = restore_none(given, result)
-        if per_device:
-            skip_state = _add_device_axis(skip_state)
+        skip_state = devices.add_axis(skip_state)
         new_state = optax.MultiStepsState(
             mini_step=jnp.where(
                 emit,
@@ -755,6 +673,4 @@ class MultiSteps:
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         """This optimizer as a plain `optax.GradientTransformationExtraArgs`."""
-        return optax.GradientTransformationExtraArgs(
-            Method(self, "init"), Method(self, "update")
-        )
+        return self.as_transformation()

@@ -1,0 +1,128 @@
+"""How `MultiSteps` sees its state: on one device, or per device along a
+mesh axis (`axis_name`), where each device accumulates its own gradients and
+they are averaged once per window."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ._sharding import varying_axes
+
+PyTree = Any
+
+
+class OneView:
+    """Without `axis_name`: the state is the state; nothing to reduce."""
+
+    def check_bound(self, method: str) -> None:
+        del method
+
+    def spec(self) -> Any:
+        """The `PartitionSpec` of the per-device parts of the state."""
+        return jax.sharding.PartitionSpec()
+
+    def add_axis(self, tree: PyTree) -> PyTree:
+        """`tree` as stored in the state (no device axis)."""
+        return tree
+
+    def drop_axis(self, acc: PyTree) -> PyTree:
+        return acc
+
+    def check_gradients(self, grads: PyTree, acc: PyTree) -> None:
+        del grads, acc
+
+    def agree(self, should_skip: jax.Array) -> jax.Array:
+        return should_skip
+
+    def window_mean(self, acc: PyTree) -> PyTree:
+        """The window's accumulated gradients from the stored accumulator."""
+        return acc
+
+
+class AxisView(OneView):
+    """With `axis_name`: `acc_grads` and `skip_state` hold this device's own
+    values under a leading axis of length 1 (`P(axis_name)` outside
+    `shard_map`); the window's only collective is one `pmean`."""
+
+    def __init__(self, axis_name: Hashable):
+        self.axis_name = axis_name
+
+    def check_bound(self, method: str) -> None:
+        try:
+            lax.axis_size(self.axis_name)
+        except NameError as e:
+            raise NameError(
+                f"MultiSteps(axis_name={self.axis_name!r}).{method} must run "
+                f"where the mesh axis {self.axis_name!r} is bound, inside "
+                "`jax.shard_map` (or `jax.vmap`/`jax.pmap` with that axis_name), "
+                "with the state's `acc_grads` and `skip_state` split over it: "
+                "pass `opt.state_specs()` as their in_specs and out_specs. "
+                f"({e})"
+            ) from None
+
+    def spec(self) -> Any:
+        return jax.sharding.PartitionSpec(self.axis_name)
+
+    def add_axis(self, tree: PyTree) -> PyTree:
+        return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tree)
+
+    def drop_axis(self, acc: PyTree) -> PyTree:
+        def drop(path, x):
+            if jnp.ndim(x) == 0 or jnp.shape(x)[0] != 1:
+                raise ValueError(
+                    f"MultiSteps(axis_name={self.axis_name!r}) expects this "
+                    "device's accumulator, with a leading axis of length 1, at "
+                    f"acc_grads{jax.tree_util.keystr(path)}; got shape "
+                    f"{jnp.shape(x)}. Build the state with `opt.init` inside "
+                    "`jax.shard_map` and pass `opt.state_specs()` as the "
+                    "state's in_specs and out_specs."
+                )
+            return x[0]
+
+        return jax.tree_util.tree_map_with_path(drop, acc)
+
+    def check_gradients(self, grads: PyTree, acc: PyTree) -> None:
+        """Under `shard_map`'s type checks, raises if the gradients are the
+        same on every device while the accumulator is not: `jax.grad` with
+        respect to replicated params has then already summed them over the
+        devices, and averaging them again would be silently wrong."""
+        name = self.axis_name
+        for (path, g), a in zip(
+            jax.tree_util.tree_flatten_with_path(grads)[0],
+            jax.tree.leaves(acc),
+            strict=True,
+        ):
+            g_axes, a_axes = varying_axes(g), varying_axes(a)
+            if g_axes is None or a_axes is None:
+                return
+            if name in a_axes and name not in g_axes:
+                raise ValueError(
+                    f"MultiSteps(axis_name={name!r}) accumulates each device's "
+                    "own gradients and averages them once per window, but the "
+                    f"gradients at {jax.tree_util.keystr(path) or 'the root'} "
+                    f"are the same on every device along {name!r}: under "
+                    "`jax.shard_map`, `jax.grad` with respect to replicated "
+                    "params sums the gradients over the devices already. Take "
+                    f"the gradient with respect to `jax.lax.pcast(params, "
+                    f"{name!r}, to='varying')` to get this device's gradients."
+                )
+
+    def agree(self, should_skip: jax.Array) -> jax.Array:
+        """Every device takes the same skip decision, or their windows drift
+        apart: one scalar all-reduce per mini-step."""
+        votes = lax.psum(should_skip.astype(jnp.int32), self.axis_name)
+        return votes > 0
+
+    def window_mean(self, acc: PyTree) -> PyTree:
+        """This device's mean (or sum) averaged over the devices, in the
+        accumulator's dtype: the only collective of a window."""
+        return lax.pmean(jax.tree.map(lambda a: a[0], acc), self.axis_name)
+
+
+def view(axis_name: Hashable | None) -> OneView:
+    return OneView() if axis_name is None else AxisView(axis_name)
