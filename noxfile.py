@@ -97,5 +97,9 @@ def newest(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     session.install("-e", ".[bench]")
-    session.run("python", "benchmarks/run.py", *session.posargs)
+    session.run("python", "benchmarks/train_step.py", *session.posargs)
+    session.run("python", "benchmarks/compile_time.py")
+    session.run("python", "benchmarks/run.py")
     session.run("python", "benchmarks/data_parallel.py")
+    session.run("python", "benchmarks/microbatched.py")
+    session.run("python", "benchmarks/sync_docs.py")
