@@ -34,6 +34,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from ._sharding import typed_sharding, varying_axes
+from ._tree import check_accumulator_dtype
 
 PyTree = Any
 
@@ -86,21 +87,6 @@ def _check_argnums(
             "split per micro-batch, not sliced like the batch."
         )
     return argnums, key
-
-
-def _check_accumulator_dtype(accumulator_dtype: Any) -> Any:
-    if accumulator_dtype is None:
-        return None
-    try:
-        dtype = jnp.dtype(accumulator_dtype)
-    except TypeError:
-        dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            "accumulator_dtype must be a floating dtype (jnp.float32, the "
-            f"default, or wider) or None, got {accumulator_dtype!r}."
-        )
-    return dtype
 
 
 def _is_key(x: Any) -> bool:
@@ -446,7 +432,7 @@ def microbatched(
         )
     k = _check_num_microbatches(num_microbatches)
     argnums, key_argnum = _check_argnums(batch_argnums, key_argnum)
-    acc_dtype = _check_accumulator_dtype(accumulator_dtype)
+    acc_dtype = check_accumulator_dtype(accumulator_dtype, complex_ok=False)
 
     def wrapped(*args: Any, **kwargs: Any) -> PyTree:
         needed = max(argnums + ((key_argnum,) if key_argnum is not None else ()))

@@ -26,6 +26,7 @@ from ._sharding import mirror_param_sharding
 from ._static import Configured, config_key
 from ._tree import (
     accumulable,
+    check_accumulator_dtype,
     check_same_shapes,
     check_same_structure,
     describe_value,
@@ -105,21 +106,6 @@ def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
     than 0 (or NaN) never does: the window goes on accumulating, as in optax,
     which never emits for such `k`."""
     return jnp.logical_and(k > 0, mini_step + 1 >= k)
-
-
-def _check_accumulator_dtype(accumulator_dtype: Any) -> Any:
-    if accumulator_dtype is None:
-        return None
-    try:
-        dtype = jnp.dtype(accumulator_dtype)
-    except TypeError:
-        dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
-        raise TypeError(
-            "accumulator_dtype must be a floating or complex dtype (jnp.float32, "
-            f"the default, or wider) or None, got {accumulator_dtype!r}."
-        )
-    return jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _holds(wide: Any, narrow: Any) -> bool:
@@ -433,7 +419,9 @@ class MultiSteps(Configured):
         self._every_k_schedule = _validate_every_k(every_k_schedule)
         self._use_grad_mean = bool(use_grad_mean)
         self._should_skip_update_fn = should_skip_update_fn
-        self._accumulator_dtype = _check_accumulator_dtype(accumulator_dtype)
+        self._accumulator_dtype = check_accumulator_dtype(
+            accumulator_dtype, complex_ok=True
+        )
         self._key = config_key(
             opt,
             every_k_schedule,

@@ -279,3 +279,22 @@ def fill_untrained_gaps(updates: PyTree, params: PyTree) -> PyTree:
         return jax.tree.map(fill, updates, params, is_leaf=_is_none)
     except (ValueError, TypeError):
         return updates
+
+
+def check_accumulator_dtype(accumulator_dtype: Any, *, complex_ok: bool) -> Any:
+    """`accumulator_dtype` as a canonical dtype (or `None`); a `TypeError`
+    naming it unless it is floating (or complex, with `complex_ok`)."""
+    if accumulator_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(accumulator_dtype)
+    except TypeError:
+        dtype = None
+    kind = jnp.inexact if complex_ok else jnp.floating
+    if dtype is None or not jnp.issubdtype(dtype, kind):
+        what = "a floating or complex dtype" if complex_ok else "a floating dtype"
+        raise TypeError(
+            f"accumulator_dtype must be {what} (jnp.float32, the default, or "
+            f"wider) or None, got {accumulator_dtype!r}."
+        )
+    return jax.dtypes.canonicalize_dtype(dtype)

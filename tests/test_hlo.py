@@ -62,10 +62,12 @@ def _array_copies(lines: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def _assert_idle_branch_only_writes_zeros(compiled) -> None:
+def _assert_idle_branch_only_writes_zeros(compiled, *, zeros: bool = True) -> None:
     """The branch of the conditional that does not run the inner optimizer
-    (branch 0: `lax.cond(pred, run, skip)`) writes zeros and nothing else, and
-    nothing copies an array, there or in ENTRY."""
+    (branch 0: `lax.cond(pred, run, skip)`) writes zeros and nothing else
+    (with `zeros=False`, not even those: it passes its operands through),
+    and nothing copies an array, there or in ENTRY. (XLA makes one zero
+    broadcast per shape and copies it to each leaf of that shape.)"""
     comps = hlo_computations(compiled.as_text())
     (cond,) = [line for line in comps["ENTRY"] if _opcode(line) == "conditional"]
     idle = re.search(r"branch_computations=\{%([^,}]+)", cond).group(1)
@@ -75,7 +77,11 @@ def _assert_idle_branch_only_writes_zeros(compiled) -> None:
         if op == "fusion":  # a fused broadcast of the constant zero
             called = re.search(r"calls=%(\S+)", line).group(1)
             assert {_opcode(f) for f in comps[called]} <= allowed, line
-        elif op != "copy" or "[]" not in line.split(" copy(")[0]:  # scalars ok
+            assert zeros, f"the idle branch computes: {line}"
+        elif op == "copy":  # a scalar, or a broadcast zero
+            target, source = line.split(" copy(")
+            assert "[]" in target or (zeros and "broadcast" in source), line
+        else:
             assert op in allowed, f"the idle branch computes: {line}"
     assert _array_copies(comps[idle]) == []
     assert _array_copies(comps["ENTRY"]) == []
