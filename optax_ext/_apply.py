@@ -9,17 +9,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jaxtyping import PyTree
 
 from ._static import Configured, Method
-
-PyTree = Any
 
 
 def _is_none(x: Any) -> bool:
     return x is None
 
 
-def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
     """`optax.apply_updates`' arithmetic (`p + u` cast back to the dtype of
     `p`) with `eqx.apply_updates`' tree handling: where `updates` holds
     `None` (what `eqx.filter_grad` gives for a leaf that is not a floating
@@ -55,11 +54,11 @@ def _fused(optimizer: Any) -> Any:
 
 def apply_gradients(
     optimizer: optax.GradientTransformation,
-    grads: PyTree,
-    opt_state: PyTree,
-    params: PyTree,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+    params: optax.Params,
     **extra_args: Any,
-) -> tuple[PyTree, PyTree]:
+) -> tuple[optax.Params, optax.OptState]:
     """One optimizer step applied to `params`: `optimizer.update` followed by
     `optax.apply_updates`, in one call.
 

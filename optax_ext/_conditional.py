@@ -10,11 +10,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
+from jaxtyping import PyTree
 
 from ._sharding import is_local, zeros_like_struct
 from ._tree import cast_like, check_same_shapes
-
-PyTree = Any
 
 
 def check_transformation(value: Any, name: str) -> None:

@@ -10,10 +10,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jaxtyping import PyTree
 
 from ._sharding import varying_axes
-
-PyTree = Any
 
 
 class OneView:

@@ -32,11 +32,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from jaxtyping import PyTree
 
 from ._sharding import typed_sharding, varying_axes
 from ._tree import check_accumulator_dtype
-
-PyTree = Any
 
 
 def _check_num_microbatches(num_microbatches: Any) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jaxtyping import Array, Bool, PyTree
 
 from ._apply import apply_gradients, apply_updates, merge_trainable
 from ._conditional import check_transformation, update_if
@@ -34,9 +35,6 @@ from ._tree import (
     restore_none,
     saturating_increment,
 )
-
-PyTree = Any
-
 
 _INT32_MAX = int(jnp.iinfo(jnp.int32).max)
 
@@ -445,7 +443,7 @@ class MultiSteps(Configured):
             return jnp.zeros((), jnp.bool_), ()
         return _check_skip_output(fn(updates, gradient_step, params), fn)
 
-    def init(self, params: PyTree) -> optax.MultiStepsState:
+    def init(self, params: optax.Params) -> optax.MultiStepsState:
         """Builds the initial `optax.MultiStepsState` for `params`.
 
         With `axis_name`, call it where that axis is bound (inside
@@ -500,22 +498,22 @@ class MultiSteps(Configured):
 
     def update(
         self,
-        updates: PyTree,
+        updates: optax.Updates,
         state: optax.MultiStepsState,
-        params: PyTree | None = None,
+        params: optax.Params | None = None,
         **extra_args: Any,
-    ) -> tuple[PyTree, optax.MultiStepsState]:
+    ) -> tuple[optax.Updates, optax.MultiStepsState]:
         """Accumulates `updates`; returns the inner optimizer's updates on the
         last mini-step of a window and zeros otherwise."""
         return self._step(updates, state, params, extra_args, fused=False)
 
     def apply_gradients(
         self,
-        grads: PyTree,
+        grads: optax.Updates,
         state: optax.MultiStepsState,
-        params: PyTree,
+        params: optax.Params,
         **extra_args: Any,
-    ) -> tuple[PyTree, optax.MultiStepsState]:
+    ) -> tuple[optax.Params, optax.MultiStepsState]:
         """`update` followed by applying the updates to `params`, fused: a
         mini-step returns `params` as they came in, without building zero
         updates. Prefer `optax_ext.apply_gradients`, which calls this."""
@@ -643,7 +641,7 @@ class MultiSteps(Configured):
         )
         return result, new_state
 
-    def has_updated(self, state: optax.MultiStepsState | PyTree) -> jax.Array:
+    def has_updated(self, state: optax.MultiStepsState) -> Bool[Array, ""]:
         """`True` when the last *accepted* (not skipped) mini-step completed
         a window, i.e. the inner optimizer ran and its updates were returned.
 

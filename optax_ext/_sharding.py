@@ -29,10 +29,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 from jax.core import Tracer
+from jaxtyping import PyTree
 
 from ._tree import cast_like
-
-PyTree = Any
 
 
 def _is_hole(x: Any) -> bool:

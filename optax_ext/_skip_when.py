@@ -19,8 +19,6 @@ from ._tree import (
     trainable,
 )
 
-PyTree = Any
-
 
 class _SkipWhen(Configured):
     """`inner` and the name of the flag; equal when built from equal ones."""
@@ -34,12 +32,16 @@ class _SkipWhen(Configured):
         self.flag = flag
         self._key = config_key(inner, flag)
 
-    def init(self, params: PyTree) -> PyTree:
+    def init(self, params: optax.Params) -> optax.OptState:
         return self.inner.init(optimisable(params))
 
     def update(
-        self, updates: PyTree, state: PyTree, params: PyTree = None, **extra_args: Any
-    ) -> tuple[PyTree, PyTree]:
+        self,
+        updates: optax.Updates,
+        state: optax.OptState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, optax.OptState]:
         skip = self._skip(extra_args)
         if params is not None:
             params = optimisable(params)
@@ -54,8 +56,12 @@ class _SkipWhen(Configured):
         return restore_none(updates, new_updates), new_state
 
     def apply_gradients(
-        self, grads: PyTree, state: PyTree, params: PyTree, **extra_args: Any
-    ) -> tuple[PyTree, PyTree]:
+        self,
+        grads: optax.Updates,
+        state: optax.OptState,
+        params: optax.Params,
+        **extra_args: Any,
+    ) -> tuple[optax.Params, optax.OptState]:
         """`update` and applying it to `params`, fused: a skipped step
         returns `params` as they came in (see `optax_ext.apply_gradients`)."""
         if any(is_python_scalar(x) for x in jax.tree.leaves(params)):

@@ -18,8 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-PyTree = Any
+from jaxtyping import PyTree
 
 
 def _check_pred(pred: Any) -> jax.Array:

@@ -8,8 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-PyTree = Any
+from jaxtyping import PyTree
 
 
 def trainable(tree: PyTree) -> PyTree:
