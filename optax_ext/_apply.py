@@ -40,16 +40,20 @@ def merge_trainable(params: PyTree, new: PyTree) -> PyTree:
     )
 
 
-def _fused(optimizer: Any) -> Any:
-    """The object whose `apply_gradients` fuses `optimizer`'s step, if any:
+def _fused(optimizer: Any, params: Any) -> Any:
+    """The object whose `_apply_gradients` fuses `optimizer`'s step, if any:
     a `MultiSteps` itself, or the owner behind the `Method`s of
-    `MultiSteps.gradient_transformation()` and `skip_when(...)`."""
+    `MultiSteps.gradient_transformation()` and `skip_when(...)`. None when
+    `params` holds a Python number, which cannot pass through a `cond` as
+    itself (such a step is applied unfused)."""
     owner = optimizer
     if isinstance(getattr(optimizer, "update", None), Method):
         owner = optimizer.update.owner
-    if isinstance(owner, Configured) and hasattr(owner, "apply_gradients"):
-        return owner
-    return None
+    if not (isinstance(owner, Configured) and hasattr(owner, "_apply_gradients")):
+        return None
+    if any(isinstance(x, (int, float, complex)) for x in jax.tree.leaves(params)):
+        return None
+    return owner
 
 
 def apply_gradients(
@@ -107,8 +111,8 @@ def apply_gradients(
         return optax_ext.apply_gradients(opt, grads, opt_state, params)
     ```
     """
-    owner = _fused(optimizer)
+    owner = _fused(optimizer, params)
     if owner is not None:
-        return owner.apply_gradients(grads, opt_state, params, **extra_args)
+        return owner._apply_gradients(grads, opt_state, params, **extra_args)
     updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)
     return apply_updates(params, updates), opt_state

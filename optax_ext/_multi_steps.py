@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, PyTree
 
-from ._apply import apply_gradients, apply_updates, merge_trainable
+from ._apply import apply_gradients, merge_trainable
 from ._conditional import check_transformation, update_if
 from ._devices import view
 from ._sharding import mirror_param_sharding
@@ -507,7 +507,7 @@ class MultiSteps(Configured):
         last mini-step of a window and zeros otherwise."""
         return self._step(updates, state, params, extra_args, fused=False)
 
-    def apply_gradients(
+    def _apply_gradients(
         self,
         grads: optax.Updates,
         state: optax.MultiStepsState,
@@ -516,14 +516,7 @@ class MultiSteps(Configured):
     ) -> tuple[optax.Params, optax.MultiStepsState]:
         """`update` followed by applying the updates to `params`, fused: a
         mini-step returns `params` as they came in, without building zero
-        updates. Prefer `optax_ext.apply_gradients`, which calls this."""
-        if any(
-            isinstance(x, (int, float, complex))
-            for x in jax.tree.leaves(accumulable(params))
-        ):
-            # A Python number cannot pass through the `cond` as itself.
-            updates, state = self.update(grads, state, params, **extra_args)
-            return apply_updates(params, updates), state
+        updates (`optax_ext.apply_gradients` calls this)."""
         return self._step(grads, state, params, extra_args, fused=True)
 
     def _step(

@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._apply import apply_gradients, apply_updates, merge_trainable
+from ._apply import apply_gradients, merge_trainable
 from ._conditional import check_transformation, update_if
 from ._static import Configured, config_key
 from ._tree import (
     fill_scalar_gaps,
-    is_python_scalar,
     optimisable,
     restore_none,
     trainable,
@@ -55,7 +54,7 @@ class _SkipWhen(Configured):
         )
         return restore_none(updates, new_updates), new_state
 
-    def apply_gradients(
+    def _apply_gradients(
         self,
         grads: optax.Updates,
         state: optax.OptState,
@@ -64,10 +63,6 @@ class _SkipWhen(Configured):
     ) -> tuple[optax.Params, optax.OptState]:
         """`update` and applying it to `params`, fused: a skipped step
         returns `params` as they came in (see `optax_ext.apply_gradients`)."""
-        if any(is_python_scalar(x) for x in jax.tree.leaves(params)):
-            # A Python number cannot pass through the `cond` as itself.
-            updates, state = self.update(grads, state, params, **extra_args)
-            return apply_updates(params, updates), state
         skip = self._skip(extra_args)
         arrays = trainable(params)
 
