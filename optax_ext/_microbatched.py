@@ -22,7 +22,6 @@ axis that this module adds.
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -35,18 +34,13 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._sharding import typed_sharding, varying_axes
-from ._tree import check_accumulator_dtype
+from ._tree import as_index, check_accumulator_dtype
 
 
 def _check_num_microbatches(num_microbatches: Any) -> int:
-    if not isinstance(num_microbatches, bool):
-        try:
-            k = operator.index(num_microbatches)
-        except TypeError:
-            pass
-        else:
-            if k >= 1:
-                return k
+    k = as_index(num_microbatches)
+    if k is not None and k >= 1:
+        return k
     raise ValueError(
         "num_microbatches must be a positive int (how many micro-batches the "
         f"batch is split into), got {num_microbatches!r} of type "
@@ -58,14 +52,9 @@ def _check_argnums(
     batch_argnums: Any, key_argnum: Any
 ) -> tuple[tuple[int, ...], int | None]:
     def index(value: Any, name: str) -> int:
-        if not isinstance(value, bool):
-            try:
-                i = operator.index(value)
-            except TypeError:
-                pass
-            else:
-                if i >= 0:
-                    return i
+        i = as_index(value)
+        if i is not None and i >= 0:
+            return i
         raise TypeError(
             f"{name} must be a non-negative int (a position in grad_fn's "
             f"arguments), got {value!r} of type {type(value).__name__}."

@@ -11,7 +11,6 @@ params stay in their donated buffers is in `docs/design.md`.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -27,6 +26,7 @@ from ._sharding import mirror_param_sharding
 from ._static import Configured, config_key
 from ._tree import (
     accumulable,
+    as_index,
     check_accumulator_dtype,
     check_same_shapes,
     check_same_structure,
@@ -42,19 +42,15 @@ _INT32_MAX = int(jnp.iinfo(jnp.int32).max)
 def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
     if callable(every_k_schedule):
         return every_k_schedule
-    if not isinstance(every_k_schedule, bool):
-        try:
-            k = operator.index(every_k_schedule)
-        except TypeError:
-            pass
-        else:
-            if not 1 <= k <= _INT32_MAX:
-                raise ValueError(
-                    f"every_k_schedule must be an int from 1 to 2**31 - 1, got {k}: "
-                    "it is the number of mini-steps accumulated per update, "
-                    "counted in the state's int32 mini_step."
-                )
-            return lambda _: k
+    k = as_index(every_k_schedule)
+    if k is not None:
+        if not 1 <= k <= _INT32_MAX:
+            raise ValueError(
+                f"every_k_schedule must be an int from 1 to 2**31 - 1, got {k}: "
+                "it is the number of mini-steps accumulated per update, "
+                "counted in the state's int32 mini_step."
+            )
+        return lambda _: k
     raise TypeError(
         "every_k_schedule must be a positive int or a function of the gradient "
         f"step returning one, got {every_k_schedule!r} of type "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import equinox as eqx
@@ -297,3 +298,14 @@ def check_accumulator_dtype(accumulator_dtype: Any, *, complex_ok: bool) -> Any:
             f"wider) or None, got {accumulator_dtype!r}."
         )
     return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def as_index(value: Any) -> int | None:
+    """`value` as a Python int if it is an integer (`int`, a NumPy or JAX
+    integer scalar), not a bool; `None` otherwise."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
