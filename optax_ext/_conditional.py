@@ -105,12 +105,38 @@ def update_if(
         return new_updates, new_inner_state, _zeros_after(grads, done)
 
     def skip(live, grads, inner_state, carry):
-        kept = carry if carried else jax.tree.map(zeros_like_struct, out_shapes)
+        kept = carry if carried else _distinct_zeros(out_shapes, live)
         return kept, inner_state, (grads if clear_grads else None)
 
     # `pred` goes in as an operand too: inside the running branch it is a
     # `True` that XLA cannot fold (see `_token_after`).
     return lax.cond(pred, run, skip, pred, grads, inner_state, carry)
+
+
+def _distinct_zeros(structs: PyTree, live: jax.Array) -> PyTree:
+    """Zeros shaped like `structs`, no two leaves the same computation.
+
+    Zeros of one shape are one broadcast to XLA, which then copies it into
+    each output of the `cond` that holds it (a read and a write per leaf).
+    Here leaf `i` broadcasts its own scalar, `where(live, tag_i, 0)`, with
+    `live` a traced `False` and `tag_i` the bits of `i + 1`: nothing to
+    merge, and each leaf is written once, straight into its output."""
+    leaves, treedef = jax.tree.flatten(structs)
+    return jax.tree.unflatten(
+        treedef, [_tagged_zeros(s, i, live) for i, s in enumerate(leaves)]
+    )
+
+
+def _tagged_zeros(struct: Any, i: int, live: jax.Array) -> jax.Array:
+    dtype = jnp.dtype(struct.dtype)
+    width = _bits(dtype)
+    spec = getattr(getattr(struct, "sharding", None), "spec", None)
+    if width is None or not struct.shape or any(a is not None for a in spec or ()):
+        return zeros_like_struct(struct)
+    real = jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.inexact) else dtype
+    bits = jnp.asarray((i + 1) % 2**width, jnp.dtype(f"uint{width}"))
+    tag = lax.bitcast_convert_type(bits, real).astype(dtype)
+    return lax.broadcast(jnp.where(live, tag, jnp.zeros((), dtype)), struct.shape)
 
 
 def _outputs_reading_grads(jaxpr: Any, *, n_grads: int) -> list[int]:
