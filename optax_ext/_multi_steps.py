@@ -175,7 +175,23 @@ def _check_state(state: Any, method: str) -> None:
             )
 
 
-def _check_skip_output(out: Any, fn: Callable) -> tuple[jax.Array, PyTree]:
+def _check_skip_fn(fn: Any) -> Callable | None:
+    if fn is not None and not callable(fn):
+        raise TypeError(
+            "should_skip_update_fn must be None or a function "
+            f"(updates, gradient_step, params) -> (bool, state), got {fn!r}."
+        )
+    return fn
+
+
+def _should_skip(
+    fn: Callable | None, updates: PyTree, gradient_step: jax.Array, params: PyTree
+) -> tuple[jax.Array, PyTree]:
+    """`fn(updates, gradient_step, params)` checked: a scalar bool and the
+    skip state; never skip (and an empty state) without `fn`."""
+    if fn is None:
+        return jnp.zeros((), jnp.bool_), ()
+    out = fn(updates, gradient_step, params)
     name = getattr(fn, "__name__", repr(fn))
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(
@@ -209,6 +225,51 @@ def _fold(g: jax.Array, acc: jax.Array, mini_step: jax.Array, mean: bool) -> jax
     return jnp.where(mini_step == 0, g, running).astype(acc.dtype)
 
 
+def _accumulate(
+    grads: PyTree,
+    acc: PyTree,
+    mini_step: jax.Array,
+    mean: bool,
+    should_skip: jax.Array | None,
+    devices: Any,
+) -> PyTree:
+    """`acc` with `grads` folded in (`_fold`), kept where `should_skip`.
+    The gradient gets the state's device axis (if any), which the
+    accumulator keeps through the `cond`: a reshape of the `cond`'s result
+    made XLA copy it into the state."""
+
+    def one(g: jax.Array, a: jax.Array) -> jax.Array:
+        new = _fold(devices.add_axis(g), a, mini_step, mean)
+        return new if should_skip is None else jnp.where(should_skip, a, new)
+
+    return jax.tree.map(one, grads, acc)
+
+
+def _next_counters(
+    emit: jax.Array,
+    should_skip: jax.Array,
+    mini_step: jax.Array,
+    gradient_step: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """`mini_step` and `gradient_step` after this step: a window restarts
+    where it emitted, a skipped step counts nothing, neither overflows."""
+    mini = jnp.where(
+        emit, 0, jnp.where(should_skip, mini_step, saturating_increment(mini_step))
+    )
+    gradient = jnp.where(emit, saturating_increment(gradient_step), gradient_step)
+    return mini.astype(mini_step.dtype), gradient
+
+
+def _zero_accumulator(params: PyTree, accumulator_dtype: Any) -> PyTree:
+    """Zeros for each params leaf, in its accumulator's dtype (`_acc_dtype`)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: jnp.zeros(
+            jnp.shape(p), _acc_dtype(p, accumulator_dtype, jax.tree_util.keystr(path))
+        ),
+        params,
+    )
+
+
 def _acc_dtype(param: Any, acc: Any, path: str) -> Any:
     """The accumulator's dtype for a params leaf: the least dtype holding
     the leaf's dtype and `accumulator_dtype` (a Python number counts as
@@ -225,9 +286,23 @@ def _acc_dtype(param: Any, acc: Any, path: str) -> Any:
         return _promote(dtype, acc, path)
 
 
-def _check_grad_dtypes(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None:
-    """Raises a `TypeError` where a gradient's dtype is not held by the
-    accumulator's: accumulating it would round it."""
+def _check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None:
+    """Raises where the gradients do not fit the accumulator: another tree
+    or shapes, or a dtype the accumulator's does not hold (accumulating
+    would round it)."""
+    check_same_structure(
+        acc,
+        grads,
+        expected_name="the accumulated gradients in the state",
+        got_name="the updates",
+    )
+    check_same_shapes(
+        acc,
+        grads,
+        expected_name="the accumulated gradients",
+        got_name="the updates",
+        hint="the gradients must have the shapes of the params.",
+    )
     for (path, g), a in zip(
         jax.tree_util.tree_flatten_with_path(grads)[0],
         jax.tree.leaves(acc),
@@ -282,104 +357,43 @@ class MultiSteps(Configured):
 
     A drop-in for `optax.MultiSteps`: the same constructor, `init`, `update`
     (extra keyword arguments such as `value=` go to the inner optimizer),
-    `has_updated`, `inner_opt` and `gradient_transformation()`, and the same
-    state type, `optax.MultiStepsState`, so a checkpoint written by one loads
-    into the other.
+    `has_updated`, `inner_opt`, `gradient_transformation()` and state type,
+    `optax.MultiStepsState`, so a checkpoint written by one loads into the
+    other. Each `update` folds the gradients into `acc_grads`; the mini-step
+    that completes a window of `k = every_k_schedule(gradient_step)` accepted
+    mini-steps applies the inner optimizer to the window's mean (or sum) and
+    returns its updates; every other mini-step returns exact zeros without
+    running it.
 
-    Each `update` folds the gradients into `acc_grads`. On the mini-step that
-    completes a window of `k = every_k_schedule(gradient_step)` accepted
-    mini-steps, the inner optimizer is applied to the window's mean (or sum)
-    and its updates are returned; on every other mini-step the updates are
-    exact zeros and the inner optimizer does not run.
-
-    Guarantees beyond optax:
-
-    - every leaf of the inner state keeps its dtype, shape and weak type on
-      every step (bool, all integer widths, float16, bfloat16, float32,
-      float64, complex, typed PRNG keys): the state is selected, never
-      blended. If the inner optimizer itself returns a leaf of another dtype
-      or weak type, it is converted back to the one it had before the step;
-      a leaf that changes shape is an error;
-    - non-emitting steps return zeros in the inner updates' dtype, never NaN,
-      whatever the inner optimizer would have computed;
-    - the accumulator is reset by selection, so a NaN or `inf` in one window
-      never reaches the next one;
-    - `params` may be a whole Equinox model: inside an `equinox.Module`,
-      leaves that are not floating arrays or Python floats (functions,
-      integer buffers, keys) are not optimised (they get `None` in the
-      state, as `eqx.filter_grad` gives `None` for them and
-      `eqx.apply_updates` skips them). Outside a Module (dicts, lists,
-      arrays), integer arrays and Python numbers are accumulated, as optax
-      does; a `None` gradient for one of them (from `eqx.filter_grad`) is
-      taken as zero and its update is `None`.
-
-    **Numerics:**
-
-    - The accumulator of each params leaf has one dtype, fixed by `init`:
-      the least dtype holding both the leaf's dtype and `accumulator_dtype`
-      (`jnp.result_type`, a Python float counting as weakly typed; for
-      dtypes JAX does not promote together, such as float8 with float32, the
-      one that holds every value of the other). float32 for float32,
-      bfloat16 and float16 params (as `optax.MultiSteps`, so states move
-      between the two), float64 for float64 params under x64, complex64 for
-      complex64 params, float32 for float8 params. With
-      `accumulator_dtype=None` it is the leaf's own dtype. Integer leaves
-      accumulate in `accumulator_dtype` (float32 with `None`).
-    - A gradient is never rounded into a narrower accumulator: a gradient
-      whose dtype the accumulator does not hold (complex gradients for real
-      params, float32 gradients for bfloat16 params with
-      `accumulator_dtype=None`, float64 gradients for float32 params under
-      x64) raises a `TypeError` at trace time naming `accumulator_dtype`,
-      the leaf's path and both dtypes; pass a wider `accumulator_dtype`.
-      Python scalars and weakly typed gradients take the accumulator's dtype,
-      as in JAX's promotion; integer gradients are held by float
-      accumulators, as JAX promotes them.
-    - The mean is optax's running (Welford) mean, `acc + (g - acc) / (n +
-      1)`, the first gradient of a window taken as it is; with
-      `use_grad_mean=False`, `acc + g`. float16 and bfloat16 (and float8)
-      accumulators are updated in float32 and rounded once per mini-step,
-      so `g - acc` cannot overflow (the mean of 6e4 and -6e4 in float16 is
-      0); a *sum* beyond the dtype's range is `inf`. Wider accumulators
-      compute in their own dtype.
-    - The window's mean is cast to the gradient's dtype before the inner
-      optimizer sees it (as optax): for integer gradients the cast truncates
-      toward zero.
-
-    **Window sizes:** a constant `every_k_schedule` must be an int from 1 to
-    `2**31 - 1` (checked by the constructor). A schedule's output is checked
-    where it is concrete (eagerly): a whole number from 1 to `2**31 - 1`,
-    int or float, else a `ValueError`. Under `jit` it cannot be checked: a
-    traced `k` that is not a whole number closes the window at the first
-    mini-step count reaching it (`ceil(k)`); a traced `k <= 0` or NaN never
-    closes it (as optax never emits for such `k`): the updates are zeros and
-    the accumulator keeps the running mean of every gradient since the window
-    began, so none is lost, and `mini_step` stops at the int32 maximum.
+    Beyond optax: every leaf of the inner state keeps its dtype, shape and
+    weak type on every step (it is selected, never blended); the
+    accumulator is reset by selection, so a NaN or `inf` never crosses a
+    window; no gradient is rounded into a narrower accumulator (a
+    `TypeError` instead); `params` may be a whole Equinox model. The full
+    contract (numerics, window sizes, Equinox leaves, errors) is in
+    `docs/multi_steps.md`.
 
     **Arguments:**
 
     - `opt`: the inner optimizer, an `optax.GradientTransformation`.
     - `every_k_schedule`: an int from 1 to `2**31 - 1`, or a function from
       the gradient step (int32 scalar) to the number of mini-steps in that
-      window (see Window sizes).
+      window. A traced non-integer `k` closes the window at `ceil(k)`; a
+      traced `k <= 0` never closes it (as optax never emits).
     - `use_grad_mean`: average the window's gradients if `True`, else sum them.
-    - `should_skip_update_fn`: as in optax, a function `(updates,
-      gradient_step, params) -> (should_skip, skip_state)`; a skipped
-      mini-step leaves the accumulator, counters and inner state as they were
-      (e.g. `optax.skip_not_finite`). It must return a scalar bool.
-    - `accumulator_dtype`: a floating or complex dtype, the least dtype to
-      accumulate in (see Numerics); `None` accumulates in each params leaf's
-      own dtype. Anything else is a `TypeError` from the constructor.
+    - `should_skip_update_fn`: as in optax, `(updates, gradient_step, params)
+      -> (should_skip, skip_state)` with a scalar bool `should_skip`; a
+      skipped mini-step leaves the accumulator, counters and inner state as
+      they were (e.g. `optax.skip_not_finite`).
+    - `accumulator_dtype`: the least dtype to accumulate in; each leaf's
+      accumulator has the least dtype holding it and the params leaf's
+      (float32 for float32, bfloat16 and float16 params, as optax). `None`
+      accumulates in each params leaf's own dtype.
+    - `axis_name`: accumulate per device inside `jax.shard_map` and average
+      across this axis once per window (`docs/data_parallel.md`).
 
-    **Errors** name the argument, what was passed and what is expected: a
-    `state` that is not a `MultiStepsState` (an inner optimizer's state,
-    `None`), or whose `inner_opt_state` does not have this inner optimizer's
-    structure, is a `TypeError` from `update` (at trace time); so are
-    gradients whose tree, shapes or dtypes do not fit the accumulator.
-
-    Two `MultiSteps` built from equal arguments (the same inner optimizer
-    object, or inner optimizers of this package built from equal arguments)
-    compare and hash equal, so a jitted step that takes the optimizer as a
-    static argument compiles once for both.
+    Two `MultiSteps` built from equal arguments compare and hash equal, so a
+    jitted step taking the optimizer as a static argument compiles once.
 
     **Example:**
 
@@ -400,19 +414,13 @@ class MultiSteps(Configured):
         axis_name: Hashable | None = None,
     ):
         check_transformation(opt, "opt")
-        if should_skip_update_fn is not None and not callable(should_skip_update_fn):
-            raise TypeError(
-                "should_skip_update_fn must be None or a function "
-                f"(updates, gradient_step, params) -> (bool, state), got "
-                f"{should_skip_update_fn!r}."
-            )
         self._opt = optax.with_extra_args_support(opt)
         # As given: `apply_gradients` fuses through a nested MultiSteps or
         # skip_when, which `with_extra_args_support` would hide.
         self._fusable_inner = opt
         self._every_k_schedule = _validate_every_k(every_k_schedule)
         self._use_grad_mean = bool(use_grad_mean)
-        self._should_skip_update_fn = should_skip_update_fn
+        self._should_skip_update_fn = _check_skip_fn(should_skip_update_fn)
         self._accumulator_dtype = check_accumulator_dtype(
             accumulator_dtype, complex_ok=True
         )
@@ -431,14 +439,6 @@ class MultiSteps(Configured):
         """The wrapped optimizer."""
         return self._opt
 
-    def _should_skip(
-        self, updates: PyTree, gradient_step: jax.Array, params: PyTree
-    ) -> tuple[jax.Array, PyTree]:
-        fn = self._should_skip_update_fn
-        if fn is None:
-            return jnp.zeros((), jnp.bool_), ()
-        return _check_skip_output(fn(updates, gradient_step, params), fn)
-
     def init(self, params: optax.Params) -> optax.MultiStepsState:
         """Builds the initial `optax.MultiStepsState` for `params`.
 
@@ -449,16 +449,13 @@ class MultiSteps(Configured):
         """
         params = accumulable(params)
         self._devices.check_bound("init")
-        acc_grads = jax.tree_util.tree_map_with_path(
-            lambda path, p: jnp.zeros(
-                jnp.shape(p),
-                _acc_dtype(p, self._accumulator_dtype, jax.tree_util.keystr(path)),
-            ),
-            params,
-        )
+        acc_grads = _zero_accumulator(params, self._accumulator_dtype)
         gradient_step = jnp.zeros((), jnp.int32)
-        _, skip_state = self._should_skip(
-            jax.tree.map(jnp.zeros_like, params), gradient_step, params
+        _, skip_state = _should_skip(
+            self._should_skip_update_fn,
+            jax.tree.map(jnp.zeros_like, params),
+            gradient_step,
+            params,
         )
         state = optax.MultiStepsState(
             mini_step=jnp.zeros((), jnp.int32),
@@ -474,15 +471,10 @@ class MultiSteps(Configured):
         )
 
     def state_specs(self) -> optax.MultiStepsState:
-        """`jax.sharding.PartitionSpec`s of the state, for `jax.shard_map`'s
-        `in_specs` and `out_specs` (a prefix of the state's tree).
-
-        Without `axis_name` every part is `P()`. With it, `acc_grads` and
-        `skip_state` are `P(axis_name)`: outside `shard_map` each of their
-        leaves has a leading axis with one entry per device, since every
-        device accumulates its own gradients; the counters and the inner
-        state are the same on every device, `P()`.
-        """
+        """`PartitionSpec`s of the state (a prefix of its tree) for
+        `jax.shard_map`: `P()` everywhere, but `P(axis_name)` for `acc_grads`
+        and `skip_state` with `axis_name`, where each device accumulates its
+        own (outside `shard_map` their leaves have a leading device axis)."""
         replicated: Any = jax.sharding.PartitionSpec()
         return optax.MultiStepsState(
             mini_step=replicated,
@@ -536,41 +528,26 @@ class MultiSteps(Configured):
         # the updates.
         given = updates
         updates = fill_untrained_gaps(updates, params)
-        check_same_structure(
-            acc_in,
-            updates,
-            expected_name="the accumulated gradients in the state",
-            got_name="the updates",
-        )
-        check_same_shapes(
-            acc_in,
-            updates,
-            expected_name="the accumulated gradients",
-            got_name="the updates",
-            hint="the gradients must have the shapes of the params.",
-        )
-        _check_grad_dtypes(updates, acc_in, self._accumulator_dtype)
+        _check_gradients(updates, acc_in, self._accumulator_dtype)
         _check_inner_state(self._opt.init, state.inner_opt_state, acc_in)
         devices.check_gradients(updates, acc_in)
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
         k = _check_k(self._every_k_schedule(gradient_step), gradient_step)
-        should_skip, skip_state = self._should_skip(updates, gradient_step, params)
+        should_skip, skip_state = _should_skip(
+            self._should_skip_update_fn, updates, gradient_step, params
+        )
         skipping = self._should_skip_update_fn is not None
         if skipping:
             should_skip = devices.agree(should_skip)
 
-        def accumulate(g: jax.Array, acc: jax.Array) -> jax.Array:
-            new = _fold(g, acc, mini_step, self._use_grad_mean)
-            return jnp.where(should_skip, acc, new) if skipping else new
-
-        # The gradient gets the state's device axis (if any), which the
-        # accumulator keeps through the `cond`: a reshape of the `cond`'s
-        # result made XLA copy it into the state.
-        acc_grads = jax.tree.map(
-            lambda g, acc: accumulate(devices.add_axis(g), acc),
+        acc_grads = _accumulate(
             updates,
             state.acc_grads,
+            mini_step,
+            self._use_grad_mean,
+            should_skip if skipping else None,
+            devices,
         )
         emit = jnp.logical_and(
             jnp.logical_not(should_skip), _window_complete(mini_step, k)
@@ -614,34 +591,19 @@ class MultiSteps(Configured):
                 emit, inner_update, acc_grads, state.inner_opt_state, clear_grads=True
             )
             result = restore_none(given, result)
-        skip_state = devices.add_axis(skip_state)
         new_state = optax.MultiStepsState(
-            mini_step=jnp.where(
-                emit,
-                0,
-                jnp.where(should_skip, mini_step, saturating_increment(mini_step)),
-            ).astype(mini_step.dtype),
-            gradient_step=jnp.where(
-                emit, saturating_increment(gradient_step), gradient_step
-            ),
+            *_next_counters(emit, should_skip, mini_step, gradient_step),
             inner_opt_state=inner_state,
             acc_grads=acc_grads,
-            skip_state=skip_state,
+            skip_state=devices.add_axis(skip_state),
         )
         return result, new_state
 
     def has_updated(self, state: optax.MultiStepsState) -> Bool[Array, ""]:
-        """`True` when the last *accepted* (not skipped) mini-step completed
-        a window, i.e. the inner optimizer ran and its updates were returned.
-
-        Computed from the counters, as `optax.MultiSteps.has_updated` is
-        (`mini_step == 0` and `gradient_step > 0`). A mini-step skipped by
-        `should_skip_update_fn` changes neither counter, so a skipped step
-        right after an emitting one leaves it `True` although that step
-        returned zeros; optax behaves the same, and the state (shared with
-        optax) has no field to record the skip. Read `state.skip_state`
-        (e.g. `optax.skip_not_finite`'s `should_skip`) to tell them apart.
-        """
+        """`True` when the last *accepted* mini-step completed a window, from
+        the counters as in optax (`mini_step == 0 and gradient_step > 0`): a
+        skipped step right after an emitting one leaves it `True`, as in
+        optax; `state.skip_state` tells the two apart."""
         return jnp.logical_and(
             jnp.asarray(state.mini_step) == 0, jnp.asarray(state.gradient_step) > 0
         )
