@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -113,14 +114,21 @@ def update_if(
     return lax.cond(pred, run, skip, pred, grads, inner_state, carry)
 
 
+# Leaves from this many elements get zeros of their own (`_distinct_zeros`);
+# below it a copy of a shared broadcast costs less than one more kernel to
+# launch and to compile.
+DISTINCT_ZEROS_MIN_SIZE = 1 << 16
+
+
 def _distinct_zeros(structs: PyTree, live: jax.Array) -> PyTree:
-    """Zeros shaped like `structs`, no two leaves the same computation.
+    """Zeros shaped like `structs`, no two large leaves the same computation.
 
     Zeros of one shape are one broadcast to XLA, which then copies it into
     each output of the `cond` that holds it (a read and a write per leaf).
-    Here leaf `i` broadcasts its own scalar, `where(live, tag_i, 0)`, with
-    `live` a traced `False` and `tag_i` the bits of `i + 1`: nothing to
-    merge, and each leaf is written once, straight into its output."""
+    Here a leaf `i` of at least `DISTINCT_ZEROS_MIN_SIZE` elements broadcasts
+    its own scalar, `where(live, tag_i, 0)`, with `live` a traced `False`
+    and `tag_i` the bits of `i + 1`: nothing to merge, and it is written
+    once, straight into its output."""
     leaves, treedef = jax.tree.flatten(structs)
     return jax.tree.unflatten(
         treedef, [_tagged_zeros(s, i, live) for i, s in enumerate(leaves)]
@@ -131,12 +139,13 @@ def _tagged_zeros(struct: Any, i: int, live: jax.Array) -> jax.Array:
     dtype = jnp.dtype(struct.dtype)
     width = _bits(dtype)
     spec = getattr(getattr(struct, "sharding", None), "spec", None)
-    if width is None or not struct.shape or any(a is not None for a in spec or ()):
+    small = math.prod(struct.shape) < DISTINCT_ZEROS_MIN_SIZE
+    if width is None or small or any(a is not None for a in spec or ()):
         return zeros_like_struct(struct)
     real = jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.inexact) else dtype
     bits = jnp.asarray((i + 1) % 2**width, jnp.dtype(f"uint{width}"))
-    tag = lax.bitcast_convert_type(bits, real).astype(dtype)
-    return lax.broadcast(jnp.where(live, tag, jnp.zeros((), dtype)), struct.shape)
+    tag = lax.convert_element_type(lax.bitcast_convert_type(bits, real), dtype)
+    return lax.broadcast(lax.select(live, tag, lax.full((), 0, dtype)), struct.shape)
 
 
 def _outputs_reading_grads(jaxpr: Any, *, n_grads: int) -> list[int]:
@@ -197,11 +206,12 @@ def _token_after(arrays: list[jax.Array], live: jax.Array) -> jax.Array | None:
         # slice and reshaped to a scalar last, where it meets `live` (a
         # parameter, which stops the sinking), so no round moves anything.
         flags = [
-            jnp.logical_and(live, _always_true(_first(a)).reshape(())) for a in arrays
+            lax.bitwise_and(live, lax.reshape(_always_true(_first(a)), ()))
+            for a in arrays
         ]
-        return functools.reduce(jnp.logical_and, flags)
+        return functools.reduce(lax.bitwise_and, flags)
 
-    never = lambda live, _: jnp.zeros((), jnp.bool_)  # noqa: E731
+    never = lambda live, _: lax.full((), False, jnp.bool_)  # noqa: E731
     return lax.cond(live, read, never, live, arrays)
 
 
@@ -231,9 +241,9 @@ def _always_true(x: jax.Array) -> jax.Array:
     a comparison of `x` with itself would be folded away."""
     width = _bits(x.dtype)
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.real(x)
+        x = lax.real(x)
     bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}"))
-    return (bits | 1) != 0
+    return lax.ne(lax.bitwise_or(bits, lax.full_like(bits, 1)), lax.full_like(bits, 0))
 
 
 def _zeros_after(grads: PyTree, done: jax.Array | None) -> PyTree:
@@ -243,7 +253,7 @@ def _zeros_after(grads: PyTree, done: jax.Array | None) -> PyTree:
     nothing and copies; the values are zeros all the same."""
     if done is None:
         return jax.tree.map(jnp.zeros_like, grads)
-    return jax.tree.map(lambda g: jnp.where(done, jnp.zeros_like(g), g), grads)
+    return jax.tree.map(lambda g: lax.select(done, lax.full_like(g, 0), g), grads)
 
 
 def _updates_reading_old_state(
@@ -317,7 +327,7 @@ def _after(
     out = list(state_leaves)
     for i in needs:
         leaf = out[i]
-        out[i] = cast_like(jnp.where(token, leaf, jnp.zeros_like(leaf)), leaf)
+        out[i] = cast_like(lax.select(token, leaf, lax.full_like(leaf, 0)), leaf)
     return out
 
 

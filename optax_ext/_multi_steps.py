@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 from jaxtyping import Array, Bool, PyTree
 
 from ._apply import apply_gradients, merge_trainable
@@ -218,11 +219,16 @@ def _fold(g: jax.Array, acc: jax.Array, mini_step: jax.Array, mean: bool) -> jax
     *selects* `g`, so even a buffer holding a NaN (a state saved by
     optax.MultiSteps, say) starts the window clean. float16 and bfloat16
     accumulators are updated in float32 and rounded once (`_work_dtype`)."""
+    # lax, not jnp: no per-leaf `jit` of jnp's functions to trace and inline.
     work = _work_dtype(acc.dtype)
-    g = jnp.asarray(g).astype(work)
-    old = acc.astype(work)
-    running = old + (g - old) / (mini_step + 1).astype(work) if mean else old + g
-    return jnp.where(mini_step == 0, g, running).astype(acc.dtype)
+    g = lax.convert_element_type(jnp.asarray(g), work)
+    old = lax.convert_element_type(acc, work)
+    if mean:
+        count = lax.convert_element_type(mini_step + 1, work)
+        running = lax.add(old, lax.div(lax.sub(g, old), count))
+    else:
+        running = lax.add(old, g)
+    return lax.convert_element_type(lax.select(mini_step == 0, g, running), acc.dtype)
 
 
 def _accumulate(
@@ -240,7 +246,7 @@ def _accumulate(
 
     def one(g: jax.Array, a: jax.Array) -> jax.Array:
         new = _fold(devices.add_axis(g), a, mini_step, mean)
-        return new if should_skip is None else jnp.where(should_skip, a, new)
+        return new if should_skip is None else lax.select(should_skip, a, new)
 
     return jax.tree.map(one, grads, acc)
 

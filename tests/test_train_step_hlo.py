@@ -1,6 +1,7 @@
 """What XLA compiles for the train step users write (update + apply_updates,
 or the fused `apply_gradients`, params and state donated), with a handful of
-leaves and with a realistic 300: exact, so asserted here."""
+leaves, with a realistic 300 and with a few large ones of one shape:
+exact, so asserted here."""
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,8 @@ INNER = {
 LAYOUTS = {
     "4 leaves": {f"w{i}": jnp.zeros((32 * (i + 1), 48)) for i in range(4)},
     "300 leaves": {f"w{i:03d}": jnp.zeros((16, 24)) for i in range(300)},
+    # Large and of one shape: each must get zeros of its own, not a copy.
+    "3 large leaves": {f"w{i}": jnp.zeros((256, 256)) for i in range(3)},
 }
 
 
