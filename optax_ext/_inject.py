@@ -25,6 +25,7 @@ from ._sharding import mirror_param_sharding
 from ._static import ConfigKey, Configured, config_key
 from ._tree import (
     as_weak,
+    avals_key,
     describe_value,
     fill_scalar_gaps,
     is_weak,
@@ -343,6 +344,9 @@ class _Injection(Configured):
         }
         # Numbers `init` found the factory cannot take traced (`_traceable`).
         self.untraceable: set[str] = set()
+        # `_traceable`'s answers by `avals_key` of the params (it traces the
+        # factory's init and update, once per kind of params).
+        self._traceable_names: dict[tuple, tuple[str, ...]] = {}
         self._key = (
             config_key(factory, dtype, tuple(sorted(static))),
             tuple((n, ConfigKey(v)) for n, v in arguments.items()),
@@ -488,11 +492,16 @@ class _Injection(Configured):
                 return True  # not ours to judge; the real call will say
             return True
 
+        key = avals_key(params)
+        if key in self._traceable_names:  # decided for such params before
+            return {n: self.numeric[n] for n in self._traceable_names[key]}
         schedule_states = {n: s.init() for n, s in self.schedules.items()}
         if not self.numeric or trial(self.numeric):
-            return dict(self.numeric)
-        traceable = {n: v for n, v in self.numeric.items() if trial([n])}
-        self.untraceable = set(self.numeric) - set(traceable)
+            traceable = dict(self.numeric)
+        else:
+            traceable = {n: v for n, v in self.numeric.items() if trial([n])}
+            self.untraceable = set(self.numeric) - set(traceable)
+        self._traceable_names[key] = tuple(traceable)
         return traceable
 
     def _check_masks(self, params: Any) -> None:

@@ -28,6 +28,7 @@ from ._static import Configured, config_key
 from ._tree import (
     accumulable,
     as_index,
+    avals_key,
     check_accumulator_dtype,
     check_same_shapes,
     check_same_structure,
@@ -340,13 +341,25 @@ def _check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None
         )
 
 
-def _check_inner_state(init: Callable, inner_state: PyTree, acc: PyTree) -> None:
+def _check_inner_state(
+    init: Callable, inner_state: PyTree, acc: PyTree, known: dict
+) -> None:
     """Raises a `TypeError` if the state's inner state is not shaped like
-    this inner optimizer's (another optimizer's state was passed)."""
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), acc)
-    try:
-        expected = jax.tree.structure(jax.eval_shape(init, shapes))
-    except Exception:  # noqa: BLE001 - an init that needs real params: no check
+    this inner optimizer's (another optimizer's state was passed).
+
+    `known` maps `avals_key` of an init's params to the structure of the
+    state it built (`MultiSteps.init` records its own), so the inner init
+    is traced again only for params it has not seen (an Adam init is
+    cheap; an injected one traces its factory)."""
+    key = avals_key(acc)
+    if key not in known:
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), acc)
+        try:
+            known[key] = jax.tree.structure(jax.eval_shape(init, shapes))
+        except Exception:  # noqa: BLE001 - an init that needs real params
+            known[key] = None  # no check
+    expected = known[key]
+    if expected is None:
         return
     got = jax.tree.structure(inner_state)
     if got != expected:
@@ -439,6 +452,9 @@ class MultiSteps(Configured):
             axis_name,
         )
         self._devices = view(axis_name)
+        # What `_check_inner_state` expects, by the avals of the inner init's
+        # params; filled by `init`.
+        self._inner_structures: dict[tuple, Any] = {}
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
@@ -456,6 +472,8 @@ class MultiSteps(Configured):
         params = accumulable(params)
         self._devices.check_bound("init")
         acc_grads = _zero_accumulator(params, self._accumulator_dtype)
+        inner_state = self._opt.init(params)
+        self._inner_structures[avals_key(params)] = jax.tree.structure(inner_state)
         gradient_step = jnp.zeros((), jnp.int32)
         _, skip_state = _should_skip(
             self._should_skip_update_fn,
@@ -466,7 +484,7 @@ class MultiSteps(Configured):
         state = optax.MultiStepsState(
             mini_step=jnp.zeros((), jnp.int32),
             gradient_step=gradient_step,
-            inner_opt_state=self._opt.init(params),
+            inner_opt_state=inner_state,
             acc_grads=acc_grads,
             skip_state=skip_state,
         )
@@ -535,7 +553,9 @@ class MultiSteps(Configured):
         given = updates
         updates = fill_untrained_gaps(updates, params)
         _check_gradients(updates, acc_in, self._accumulator_dtype)
-        _check_inner_state(self._opt.init, state.inner_opt_state, acc_in)
+        _check_inner_state(
+            self._opt.init, state.inner_opt_state, acc_in, self._inner_structures
+        )
         devices.check_gradients(updates, acc_in)
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)

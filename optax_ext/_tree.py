@@ -118,6 +118,21 @@ def is_weak(x: Any) -> bool:
     return bool(getattr(x, "weak_type", False))
 
 
+def avals_key(tree: Any) -> tuple:
+    """A hashable key of what tracing a function of `tree` depends on: its
+    structure and each leaf's shape, dtype and weak type (Python numbers
+    count as weakly typed)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(
+        (
+            jnp.shape(x),
+            str(jnp.result_type(x)),
+            is_weak(x) or isinstance(x, int | float | complex),
+        )
+        for x in leaves
+    )
+
+
 def cast_like(x: jax.Array, like: Any) -> jax.Array:
     """Returns `x` with the dtype and weak type of `like` (shapes must agree).
 

@@ -91,6 +91,63 @@ def test_inner_update_is_traced_once(nesting):
     assert len(calls) == 1
 
 
+def _counted_adam(inits: list, updates: list) -> optax.GradientTransformation:
+    """Adam, appending to `inits` and `updates` each time one is traced."""
+    inner = optax.adam(1e-3)
+
+    def init(params):
+        inits.append(1)
+        return inner.init(params)
+
+    def update(grads, state, params=None, **extra):
+        updates.append(1)
+        return inner.update(grads, state, params)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+@pytest.mark.parametrize(
+    "nesting", ["MultiSteps", "MultiSteps^2", "MultiSteps(inject)"]
+)
+def test_step_traces_no_inner_init_after_init(nesting):
+    """`MultiSteps.update` checks the state's inner state against the
+    structure the inner init builds. `init` records that structure, so the
+    jitted step traces no inner init for params `init` has seen (an injected
+    factory's init traced its init and update again for the check: a third
+    of the trace)."""
+    inits, updates = [], []
+    opt = _nestings(lambda: _counted_adam(inits, updates))[nesting]()
+    params = _params(3)
+    state = opt.init(params)
+    inits.clear()
+    updates.clear()
+    _train_step(opt)(params, state, jax.tree.map(lambda p: 0.5 * p, params))
+    assert (len(inits), len(updates)) == (0, 1), nesting
+    # A state of another optimizer is still refused.
+    with pytest.raises(TypeError, match="inner_opt_state"):
+        opt.update(params, opt.init(params)._replace(inner_opt_state=()), params)
+
+
+def test_injected_factory_is_tried_once_per_kind_of_params():
+    """`inject_hyperparams`' init traces the factory to find the numbers it
+    cannot take traced; a second init with params of the same shapes and
+    dtypes reuses that answer."""
+    inits, updates = [], []
+    opt = optax_ext.inject_hyperparams(
+        lambda learning_rate: optax.chain(
+            _counted_adam(inits, updates), optax.scale(-learning_rate)
+        )
+    )(learning_rate=1e-3)
+    params = _params(3)
+    opt.init(params)
+    assert updates  # the trial traced an update
+    updates.clear()
+    opt.init(jax.tree.map(lambda p: p + 1, params))
+    assert updates == []
+    opt.init(_params(4))  # another tree: tried again
+    assert updates
+
+
 def _instructions(compiled) -> int:
     """Instructions of the compiled HLO module, every computation included."""
     return sum(1 for line in compiled.as_text().splitlines() if " = " in line)
