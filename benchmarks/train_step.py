@@ -402,7 +402,7 @@ def write_tables(results: dict, path: Path, measured_on: str | None = None) -> s
         "mini-step over the drop-in floor; temporary memory of the compiled "
         "mini-step in MiB (`memory_analysis()`: one allocation for both "
         "branches of the conditional, so it includes what the emitting "
-        "branch needs, e.g. Adafactor's updates before its RMS clipping).",
+        "branch needs).",
         "",
         "| inner | params | dtype | ext update mini / floor "
         "| optax update mini / floor | temp: ext fused | temp: ext drop-in "
