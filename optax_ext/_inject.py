@@ -493,7 +493,7 @@ class _Injection(Configured):
             return True
 
         key = avals_key(params)
-        if key in self._traceable_names:  # decided for such params before
+        if key is not None and key in self._traceable_names:  # decided before
             return {n: self.numeric[n] for n in self._traceable_names[key]}
         schedule_states = {n: s.init() for n, s in self.schedules.items()}
         if not self.numeric or trial(self.numeric):
@@ -501,7 +501,8 @@ class _Injection(Configured):
         else:
             traceable = {n: v for n, v in self.numeric.items() if trial([n])}
             self.untraceable = set(self.numeric) - set(traceable)
-        self._traceable_names[key] = tuple(traceable)
+        if key is not None:
+            self._traceable_names[key] = tuple(traceable)
         return traceable
 
     def _check_masks(self, params: Any) -> None:

@@ -352,13 +352,16 @@ def _check_inner_state(
     is traced again only for params it has not seen (an Adam init is
     cheap; an injected one traces its factory)."""
     key = avals_key(acc)
-    if key not in known:
+    if key is not None and key in known:
+        expected = known[key]
+    else:
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), acc)
         try:
-            known[key] = jax.tree.structure(jax.eval_shape(init, shapes))
+            expected = jax.tree.structure(jax.eval_shape(init, shapes))
         except Exception:  # noqa: BLE001 - an init that needs real params
-            known[key] = None  # no check
-    expected = known[key]
+            expected = None  # no check
+        if key is not None:
+            known[key] = expected
     if expected is None:
         return
     got = jax.tree.structure(inner_state)
@@ -473,7 +476,9 @@ class MultiSteps(Configured):
         self._devices.check_bound("init")
         acc_grads = _zero_accumulator(params, self._accumulator_dtype)
         inner_state = self._opt.init(params)
-        self._inner_structures[avals_key(params)] = jax.tree.structure(inner_state)
+        key = avals_key(params)
+        if key is not None:
+            self._inner_structures[key] = jax.tree.structure(inner_state)
         gradient_step = jnp.zeros((), jnp.int32)
         _, skip_state = _should_skip(
             self._should_skip_update_fn,

@@ -118,19 +118,20 @@ def is_weak(x: Any) -> bool:
     return bool(getattr(x, "weak_type", False))
 
 
-def avals_key(tree: Any) -> tuple:
+def avals_key(tree: Any) -> tuple | None:
     """A hashable key of what tracing a function of `tree` depends on: its
     structure and each leaf's shape, dtype and weak type (Python numbers
-    count as weakly typed)."""
+    count as weakly typed); `None` where a leaf is not an array or number."""
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple(
-        (
-            jnp.shape(x),
-            str(jnp.result_type(x)),
-            is_weak(x) or isinstance(x, int | float | complex),
-        )
-        for x in leaves
-    )
+    keys = []
+    for x in leaves:
+        try:
+            dtype = str(jnp.result_type(x))
+        except TypeError:
+            return None
+        weak = is_weak(x) or isinstance(x, int | float | complex)
+        keys.append((jnp.shape(x), dtype, weak))
+    return treedef, tuple(keys)
 
 
 def cast_like(x: jax.Array, like: Any) -> jax.Array:
