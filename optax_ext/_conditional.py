@@ -13,7 +13,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jaxtyping import PyTree
 
-from ._sharding import is_local, zeros_like_struct
+from ._sharding import is_local, sharded_type, zeros_like_struct
 from ._tree import cast_like, check_same_shapes
 
 
@@ -138,9 +138,8 @@ def _distinct_zeros(structs: PyTree, live: jax.Array) -> PyTree:
 def _tagged_zeros(struct: Any, i: int, live: jax.Array) -> jax.Array:
     dtype = jnp.dtype(struct.dtype)
     width = _bits(dtype)
-    spec = getattr(getattr(struct, "sharding", None), "spec", None)
     small = math.prod(struct.shape) < DISTINCT_ZEROS_MIN_SIZE
-    if width is None or small or any(a is not None for a in spec or ()):
+    if width is None or small or sharded_type(struct):
         return zeros_like_struct(struct)
     real = jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.inexact) else dtype
     bits = jnp.asarray((i + 1) % 2**width, jnp.dtype(f"uint{width}"))

@@ -106,11 +106,16 @@ def mirror_param_sharding(state: PyTree, params: PyTree) -> PyTree:
 def zeros_like_struct(struct: Any) -> jax.Array:
     """Zeros with the shape, dtype and, where it is part of the type
     (`Explicit` mesh axes), the sharding of a `jax.ShapeDtypeStruct`."""
-    sharding = getattr(struct, "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    if spec is not None and any(axis is not None for axis in spec):
-        return jnp.zeros(struct.shape, struct.dtype, out_sharding=sharding)
+    if sharded_type(struct):
+        return jnp.zeros(struct.shape, struct.dtype, out_sharding=struct.sharding)
     return jnp.zeros(struct.shape, struct.dtype)
+
+
+def sharded_type(struct: Any) -> bool:
+    """Whether a `jax.ShapeDtypeStruct`'s sharding names a mesh axis (part of
+    its type on `Explicit` axes)."""
+    spec = getattr(getattr(struct, "sharding", None), "spec", None)
+    return spec is not None and any(axis is not None for axis in spec)
 
 
 def varying_axes(x: Any) -> frozenset | None:
