@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -189,8 +188,8 @@ def _token_after(arrays: list[jax.Array], live: jax.Array) -> jax.Array | None:
     `arrays` is: one element of each is read inside one `lax.cond` on
     `live` (a traced `True`), which XLA compiles as a conditional. A fusion
     cannot reach into a conditional, so the loops that produce the arrays
-    run, whole, before it, and every consumer reads its one scalar: one
-    small kernel for all the arrays, O(len(arrays)) compiled ops. (An
+    run, whole, before it, and every consumer reads its one scalar:
+    O(len(arrays)) compiled ops in a few small kernels. (An
     element read in the open is fused into the loop that produces the
     array, which XLA then duplicates to compute that one element: no order.)
     `None` when no array can be read: sharded (an element of it lives on one
@@ -200,23 +199,55 @@ def _token_after(arrays: list[jax.Array], live: jax.Array) -> jax.Array | None:
         return None
 
     def read(live, arrays):
-        # XLA's reshape-mover sinks a reshape through elementwise ops one op
-        # per simplification round: each flag is computed on a one-element
-        # slice and reshaped to a scalar last, where it meets `live` (a
-        # parameter, which stops the sinking), so no round moves anything.
-        flags = [
-            lax.bitwise_and(live, lax.reshape(_always_true(_first(a)), ()))
-            for a in arrays
-        ]
-        return functools.reduce(lax.bitwise_and, flags)
+        # One element of each array, as bits, tested in vectors of
+        # `_READS_PER_KERNEL` (a concatenate, a test that is always true, a
+        # reduction), then the same over the results until one is left: a
+        # tree of small kernels (XLA:CPU merges a few, up to 40 reads each).
+        # A chain of one `and` per array fused into one kernel with every
+        # read, which XLA took quadratic time to build and compile.
+        bits = [_first_bits(a) for a in arrays]
+        while True:  # at least once: the raw bits may be 0
+            bits = [
+                _all_set(bits[k : k + _READS_PER_KERNEL])
+                for k in range(0, len(bits), _READS_PER_KERNEL)
+            ]
+            if len(bits) == 1:
+                break
+        (bit,) = bits
+        return lax.bitwise_and(
+            live, lax.ne(lax.reshape(bit, ()), lax.full((), 0, bit.dtype))
+        )
 
     never = lambda live, _: lax.full((), False, jnp.bool_)  # noqa: E731
     return lax.cond(live, read, never, live, arrays)
 
 
-def _first(x: jax.Array) -> jax.Array:
-    """The first element of `x`, kept in its `(1, ..., 1)` shape."""
-    return lax.slice(x, (0,) * x.ndim, (1,) * x.ndim)
+# How many reads `_token_after` concatenates at once: XLA:CPU fuses a
+# concatenate of up to 8 operands with the reads that produce them; a longer
+# one makes each read a kernel and a buffer of its own.
+_READS_PER_KERNEL = 8
+
+
+def _all_set(bits: list[jax.Array]) -> jax.Array:
+    """`uint32[1]` 1 from `uint32[1]` vectors: a test on each bit pattern
+    that is true for every one (`x | 1 != 0`), which XLA cannot fold, so it
+    keeps the reads."""
+    v = lax.concatenate(bits, 0) if len(bits) > 1 else bits[0]
+    ones = lax.ne(lax.bitwise_or(v, lax.full_like(v, 1)), lax.full_like(v, 0))
+    return lax.convert_element_type(
+        lax.reshape(lax.reduce_and(ones, (0,)), (1,)), jnp.uint32
+    )
+
+
+def _first_bits(x: jax.Array) -> jax.Array:
+    """The bits of the first element of `x` (of its real part if complex),
+    as a `uint32[1]`, computed so that XLA cannot fold them: the read of `x`
+    is kept."""
+    first = lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), (1,))
+    if jnp.issubdtype(first.dtype, jnp.complexfloating):
+        first = lax.real(first)
+    bits = lax.bitcast_convert_type(first, jnp.dtype(f"uint{_bits(first.dtype)}"))
+    return lax.convert_element_type(bits, jnp.uint32)
 
 
 def _bits(dtype: Any) -> int | None:
@@ -233,16 +264,6 @@ def _bits(dtype: Any) -> int | None:
 
 def _readable(x: jax.Array) -> bool:
     return jnp.size(x) > 0 and _bits(x.dtype) is not None and is_local(x)
-
-
-def _always_true(x: jax.Array) -> jax.Array:
-    """`True` for each element of `x`, computed from its bits (NaN included):
-    a comparison of `x` with itself would be folded away."""
-    width = _bits(x.dtype)
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = lax.real(x)
-    bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}"))
-    return lax.ne(lax.bitwise_or(bits, lax.full_like(bits, 1)), lax.full_like(bits, 0))
 
 
 def _zeros_after(grads: PyTree, done: jax.Array | None) -> PyTree:

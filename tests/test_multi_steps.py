@@ -305,6 +305,41 @@ def test_emitted_updates_match_reference(
         np.testing.assert_allclose(to_np(u), w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "make", [optax.scale_by_adam, optax.scale_by_lion], ids=["adam", "lion"]
+)
+@pytest.mark.parametrize("leaves", [1, 9, 70])
+def test_zero_bits_in_the_updates_change_nothing(make, leaves):
+    """The in-place ordering reads one element of each update leaf; here
+    every update's first element is +0.0 (all bits clear: its gradient
+    entry is 0 in every step). The emitted updates still equal plain optax
+    on the window means (Lion's momentum, written over its old value after
+    the updates read it, included), and the accumulator is cleared at every
+    emit, with 1 leaf, a group of 8 reads and more, and nested groups."""
+    rng = np.random.default_rng(leaves)
+    k, n_steps = 2, 8
+    grads = rng.normal(size=(n_steps, leaves, 3)).astype(np.float32)
+    grads[:, :, 0] = 0.0
+    opt = optax_ext.MultiSteps(make(), every_k_schedule=k)
+    params = {f"w{i:02d}": jnp.zeros(3) for i in range(leaves)}
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+    want = [
+        _reference_run(make, list(grads[:, i]), lambda _: k, True)
+        for i in range(leaves)
+    ]
+    for t in range(n_steps):
+        g = {f"w{i:02d}": jnp.asarray(grads[t, i]) for i in range(leaves)}
+        u, state = step(g, state, params)
+        for i in range(leaves):
+            np.testing.assert_allclose(
+                to_np(u[f"w{i:02d}"]), want[i][t], rtol=1e-6, atol=1e-7
+            )
+            assert to_np(u[f"w{i:02d}"])[0] == 0.0
+        if (t + 1) % k == 0:
+            assert_exact_zeros(state.acc_grads)
+
+
 def test_has_updated_and_counters():
     opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=3)
     params = jnp.zeros(2)

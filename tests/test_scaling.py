@@ -198,12 +198,15 @@ def test_compiled_size_per_leaf_at_most_optax():
 
 
 def test_no_ordering_chain_in_any_leaf_loop():
-    """The guard against the quadratic form itself: no fused loop of the
-    compiled step reads more than a handful of bit casts (the ordering
-    reads all sit in one conditional's computation, once)."""
-    text = _lower(WRAPPERS["MultiSteps(adam)"](), _params(48)).compile().as_text()
+    """The guard against the quadratic forms: the step holds about one bit
+    cast per update leaf, and no fused loop reads more than a bounded number
+    of them (XLA gathers 40 today, whatever the leaf count). One flag per
+    leaf in every leaf's loop grew the module as leaves^2; all the reads in
+    one kernel made XLA's fusion and code generation quadratic (25 s
+    against 15 s to compile 1,000 leaves)."""
+    n = 288
+    text = _lower(WRAPPERS["MultiSteps(adam)"](), _params(n)).compile().as_text()
     computations = re.split(r"\n(?=%|ENTRY)", text)
-    worst = max(c.count("bitcast-convert(") for c in computations)
-    # one read per update leaf, all in one computation: 48, not 48 per loop
     per_computation = [c.count("bitcast-convert(") for c in computations]
-    assert worst <= 48 and sum(per_computation) <= 2 * 48, per_computation
+    assert max(per_computation) <= 64, sorted(per_computation)[-5:]
+    assert n <= sum(per_computation) <= 2 * n, sum(per_computation)
