@@ -151,36 +151,112 @@ def _outputs_reading_grads(jaxpr: Any, *, n_grads: int) -> list[int]:
     whose value depends on the first `n_grads` inputs, leaving out those that
     another such output depends on (Adam's new moments, which its updates
     read): an output computed after them is computed after their reads of
-    the inputs too. Equations with inner jaxprs pass every input's
+    the inputs too. The analysis looks into calls and conditionals
+    (`_flow`); other equations with inner jaxprs pass every input's
     dependency to every output, which can only add outputs."""
-    reading = set(jaxpr.invars[:n_grads])
-    for eqn in jaxpr.eqns:
-        if any(isinstance(v, jex_core.Var) and v in reading for v in eqn.invars):
-            reading.update(eqn.outvars)
-    readers = [
-        i
-        for i, v in enumerate(jaxpr.outvars)
-        if isinstance(v, jex_core.Var) and v in reading
-    ]
-    # Which outputs each variable is computed from, one bit per output.
-    position = {}
+    n_in = len(jaxpr.invars)
+    grads_bit = [1] * n_grads + [0] * (n_in - n_grads)
+    reading = _flow(jaxpr, grads_bit, {})
+    readers = [i for i, m in enumerate(reading) if m]
+    # Which outputs each output is computed from, one bit per output: the
+    # users of output `i` see its bit.
+    position: dict[Any, tuple[int, int]] = {}
     for i, v in enumerate(jaxpr.outvars):
         if isinstance(v, jex_core.Var):
-            position.setdefault(v, 0)
-            position[v] |= 1 << i
-    upstream: dict[Any, int] = {}
-    for eqn in jaxpr.eqns:
-        mask = 0
-        for v in eqn.invars:
-            if isinstance(v, jex_core.Var):
-                mask |= upstream.get(v, 0) | position.get(v, 0)
-        if mask:
-            for v in eqn.outvars:
-                upstream[v] = mask
+            position[v] = (0, position.get(v, (0, 0))[1] | 1 << i)
+    upstream = _flow(jaxpr, [0] * n_in, position)
     behind = 0
     for i in readers:
-        behind |= upstream.get(jaxpr.outvars[i], 0)
+        behind |= upstream[i]
     return [i for i in readers if not behind >> i & 1]
+
+
+# Primitives that call one inner jaxpr on their operands, one to one.
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "remat")
+_CALL_PARAMS = ("jaxpr", "call_jaxpr")
+
+
+def _flow(
+    jaxpr: Any, in_masks: list[int], adjust: dict[Any, tuple[int, int]]
+) -> list[int]:
+    """A forward pass of bit masks over `jaxpr`: each input starts with its
+    mask, each equation's outputs get the union of the masks of the inputs
+    they depend on, and the masks of the outputs come back.
+
+    `adjust` maps a variable to `(clear, set)`: where an equation defines
+    it, its users see its mask less `clear` and with `set` (the mask
+    returned for an output of the jaxpr is the one before). Calls and
+    `cond` are looked into: each output of a conditional depends on the
+    predicate and on what it depends on in some branch, and an adjusted
+    output is adjusted where its branch defines it. Any other equation with
+    inner jaxprs (loops) passes every input's mask to every output."""
+    env: dict[Any, int] = {}
+    defined: dict[Any, int] = {}
+
+    def of(v: Any) -> int:
+        return 0 if isinstance(v, jex_core.Literal) else env.get(v, 0)
+
+    def define(v: Any, mask: int) -> None:
+        defined[v] = mask
+        clear, set_ = adjust.get(v, (0, 0))
+        env[v] = (mask & ~clear) | set_
+
+    for v, mask in zip(jaxpr.invars, in_masks, strict=True):
+        define(v, mask)
+    for eqn in jaxpr.eqns:
+        masks = _eqn_flow(eqn, [of(v) for v in eqn.invars], adjust)
+        for v, mask in zip(eqn.outvars, masks, strict=True):
+            define(v, mask)
+    return [
+        0 if isinstance(v, jex_core.Literal) else defined.get(v, 0)
+        for v in jaxpr.outvars
+    ]
+
+
+def _eqn_flow(
+    eqn: Any, masks: list[int], adjust: dict[Any, tuple[int, int]]
+) -> list[int]:
+    """The masks of `eqn`'s outputs (see `_flow`)."""
+    name = eqn.primitive.name
+    if name == "cond":
+        index, *operands = masks
+        out = [index] * len(eqn.outvars)
+        for branch in eqn.params["branches"]:
+            got = _flow(
+                branch.jaxpr, operands, _inner_adjust(branch.jaxpr, eqn, adjust)
+            )
+            out = [a | b for a, b in zip(out, got, strict=True)]
+        return out
+    if name in _CALLS:
+        for key in _CALL_PARAMS:
+            inner = eqn.params.get(key)
+            inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's jaxpr
+            if (
+                isinstance(inner, jex_core.Jaxpr)
+                and len(inner.invars) == len(masks)
+                and len(inner.outvars) == len(eqn.outvars)
+            ):
+                return _flow(inner, masks, _inner_adjust(inner, eqn, adjust))
+    union = 0
+    for mask in masks:
+        union |= mask
+    return [union] * len(eqn.outvars)
+
+
+def _inner_adjust(
+    inner: Any, eqn: Any, adjust: dict[Any, tuple[int, int]]
+) -> dict[Any, tuple[int, int]]:
+    """`adjust` of `eqn`'s outputs, moved onto the inner jaxpr's variables
+    that define them. An inner output that is an inner input (returned as
+    it came in) is left alone: its other users inside read the input."""
+    inputs = set(inner.invars)
+    moved: dict[Any, tuple[int, int]] = {}
+    for v, out in zip(inner.outvars, eqn.outvars, strict=True):
+        if out in adjust and isinstance(v, jex_core.Var) and v not in inputs:
+            clear, set_ = moved.get(v, (0, 0))
+            c, s = adjust[out]
+            moved[v] = (clear | c, set_ | s)
+    return moved
 
 
 def _token_after(arrays: list[jax.Array], live: jax.Array) -> jax.Array | None:
@@ -283,35 +359,24 @@ def _updates_reading_old_state(
     that depend on its old value other than through its new value, or `None`
     where the leaf is returned as it came in (nothing is written over it).
 
-    A forward pass over the equations with one bit per state leaf; the bit of
-    leaf `i` is not propagated past the variable that is its new value.
-    Equations with inner jaxprs (`jit`, `scan`, ...) pass every input's bits to
-    every output, which can only add dependencies. Only reads by the updates
-    are found: a leaf whose old value only another leaf's new value reads is
+    A forward pass (`_flow`) with one bit per state leaf; the bit of leaf
+    `i` is not passed on by the variable that is its new value, also where a
+    call or a conditional inside defines it. Only reads by the updates are
+    found: a leaf whose old value only another leaf's new value reads is
     left to XLA (which copies where it cannot order them).
     """
     end = None if n_state is None else n_grads + n_state
     state_in = jaxpr.invars[n_grads:end]
     new_state = jaxpr.outvars[n_updates:]
-    bits: dict[Any, int] = {}
-    for i, v in enumerate(state_in):
-        bits[v] = bits.get(v, 0) | (1 << i)
-    blocked: dict[Any, int] = {}
+    in_masks = [0] * len(jaxpr.invars)
+    for i in range(len(state_in)):
+        in_masks[n_grads + i] |= 1 << i
+    inputs = set(jaxpr.invars)
+    blocked: dict[Any, tuple[int, int]] = {}
     for i, v in enumerate(new_state):
-        if isinstance(v, jex_core.Var) and v is not state_in[i]:
-            blocked[v] = blocked.get(v, 0) | (1 << i)
-
-    def of(v: Any) -> int:
-        return 0 if isinstance(v, jex_core.Literal) else bits.get(v, 0)
-
-    for eqn in jaxpr.eqns:
-        mask = 0
-        for v in eqn.invars:
-            mask |= of(v)
-        if mask:
-            for v in eqn.outvars:
-                bits[v] = mask & ~blocked.get(v, 0)
-    update_bits = [of(v) for v in jaxpr.outvars[:n_updates]]
+        if isinstance(v, jex_core.Var) and v not in inputs:
+            blocked[v] = (blocked.get(v, (0, 0))[0] | (1 << i), 0)
+    update_bits = _flow(jaxpr, in_masks, blocked)[:n_updates]
     return [
         None
         if new is old
@@ -330,12 +395,16 @@ def _after(
     on the updates that read its old value: `where(token, new, 0)` with one
     `token` computed after all those updates (`_token_after`), so XLA orders
     the reads before the write and may write the new value in place. The
-    select fuses into the loop that computes the new value."""
+    select fuses into the loop that computes the new value. A scalar (a step
+    count that every update reads through a schedule) is left to XLA, which
+    copies it: one scalar copy costs less than reading every update leaf
+    first. Any larger leaf is ordered, small ones too: XLA puts the copy of
+    an unordered leaf in the branch that does not run, on every mini-step."""
     needs = [
         i
         for i, (leaf, reads) in enumerate(zip(state_leaves, readers, strict=True))
         if reads
-        and jnp.size(leaf)
+        and jnp.size(leaf) > 1
         and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
     ]
     if not needs:

@@ -210,3 +210,47 @@ def test_no_ordering_chain_in_any_leaf_loop():
     per_computation = [c.count("bitcast-convert(") for c in computations]
     assert max(per_computation) <= 64, sorted(per_computation)[-5:]
     assert n <= sum(per_computation) <= 2 * n, sum(per_computation)
+
+
+_SCHEDULE = optax.linear_schedule(0.0, 1e-3, 10)
+# Compositions, and the number of ordering reads (one bit cast each) per
+# update leaf in their train step: one to clear the accumulator after the
+# updates; Lion two more (its new `mu` after the update that reads the old
+# one, and the clear after that new `mu`).
+READS_PER_LEAF = {
+    "MultiSteps(adamw)": (lambda: optax_ext.MultiSteps(optax.adamw(1e-3), 4), 1),
+    "MultiSteps(skip_when(adamw))": (
+        lambda: optax_ext.MultiSteps(optax_ext.skip_when(optax.adamw(1e-3)), 4),
+        1,
+    ),
+    "MultiSteps(inject_hyperparams(adamw))": (
+        lambda: optax_ext.MultiSteps(
+            optax_ext.inject_hyperparams(optax.adamw)(learning_rate=_SCHEDULE), 4
+        ),
+        1,
+    ),
+    "MultiSteps(adafactor)": (
+        lambda: optax_ext.MultiSteps(optax.adafactor(1e-3), 4),
+        1,
+    ),
+    "MultiSteps(lion)": (lambda: optax_ext.MultiSteps(optax.lion(1e-4), 4), 3),
+    "MultiSteps(skip_when(lion))": (
+        lambda: optax_ext.MultiSteps(optax_ext.skip_when(optax.lion(1e-4)), 4),
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", READS_PER_LEAF)
+def test_compositions_read_as_the_bare_optimizer(name):
+    """Wrapping the inner optimizer in skip_when or inject_hyperparams adds
+    no ordering read: the analysis looks into the skip_when's conditional
+    (taken as opaque, it read every output of it, 4 per leaf for adamw),
+    and a scalar state leaf (the step count an injected schedule or
+    Adafactor reads) is copied, not ordered after every update leaf (2 per
+    leaf)."""
+    make, per_leaf = READS_PER_LEAF[name]
+    n = 24
+    extra = {"skip": jnp.asarray(False)} if "skip_when" in name else {}
+    text = _lower(make(), _params(n), **extra).as_text()
+    assert text.count("bitcast_convert") == per_leaf * n, text.count("bitcast_convert")
