@@ -94,14 +94,30 @@ def update_if(
         # A constant output comes back as a Python or NumPy value.
         leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
         update_leaves = leaves[:n_updates]
-        state_leaves = _after(update_leaves, leaves[n_updates:], readers, live)
+        state_leaves, ordered, followed = _after(
+            update_leaves, leaves[n_updates:], readers, live
+        )
+        to_read = grad_readers
+        if clear_grads and any(n_updates + i in grad_readers for i in ordered):
+            # such a leaf is computed after the updates it was ordered after
+            to_read = [i for i in grad_readers if i not in followed]
+        if clear_grads:
+            # A state leaf read here that no select of this level computes
+            # (one a nested conditional returns) gets one: read by the
+            # token's conditional and returned as it is, XLA copied it.
+            for i in to_read:
+                j = i - n_updates
+                if j >= 0 and j not in ordered and _readable(state_leaves[j]):
+                    leaf = state_leaves[j]
+                    zero = lax.full_like(leaf, 0)
+                    state_leaves[j] = cast_like(lax.select(live, leaf, zero), leaf)
         new_updates, new_inner_state = jax.tree.unflatten(
             out_def, [*update_leaves, *state_leaves]
         )
         if not clear_grads:
             return new_updates, new_inner_state, None
         outputs = [*update_leaves, *state_leaves]
-        done = _token_after([outputs[i] for i in grad_readers], live)
+        done = _token_after([outputs[i] for i in to_read], live)
         return new_updates, new_inner_state, _zeros_after(grads, done)
 
     def skip(live, grads, inner_state, carry):
@@ -109,8 +125,26 @@ def update_if(
         return kept, inner_state, (grads if clear_grads else None)
 
     # `pred` goes in as an operand too: inside the running branch it is a
-    # `True` that XLA cannot fold (see `_token_after`).
-    return lax.cond(pred, run, skip, pred, grads, inner_state, carry)
+    # `True` that XLA cannot fold (see `_token_after`), even where `pred` is
+    # a constant (`skip_when` called without `skip`), whose conditional XLA
+    # inlines: there one element of an input is tested as well.
+    live = pred
+    runtime = _runtime_true(jax.tree.leaves((inner_state, grads)))
+    if runtime is not None:
+        live = lax.bitwise_and(pred, runtime)
+    return lax.cond(pred, run, skip, live, grads, inner_state, carry)
+
+
+def _runtime_true(leaves: list[Any]) -> jax.Array | None:
+    """A scalar `True` that XLA cannot compute at compile time: a test that
+    holds for every bit pattern of the first element of the first readable
+    array of `leaves`; `None` where none is readable."""
+    for x in leaves:
+        if isinstance(x, jax.Array) and _readable(x):
+            bits = _first_bits(x)
+            one, zero = lax.full_like(bits, 1), lax.full_like(bits, 0)
+            return lax.reshape(lax.ne(lax.bitwise_or(bits, one), zero), ())
+    return None
 
 
 # Leaves from this many elements get zeros of their own (`_distinct_zeros`);
@@ -377,10 +411,19 @@ def _updates_reading_old_state(
         if isinstance(v, jex_core.Var) and v not in inputs:
             blocked[v] = (blocked.get(v, (0, 0))[0] | (1 << i), 0)
     update_bits = _flow(jaxpr, in_masks, blocked)[:n_updates]
+    # Which updates each new state leaf is computed from (a nested
+    # `update_if` has ordered it after them already): those need nothing.
+    marks: dict[Any, tuple[int, int]] = {}
+    for j, v in enumerate(jaxpr.outvars[:n_updates]):
+        if isinstance(v, jex_core.Var) and v not in inputs:
+            marks[v] = (0, marks.get(v, (0, 0))[1] | (1 << j))
+    after = _flow(jaxpr, [0] * len(jaxpr.invars), marks)[n_updates:]
     return [
         None
         if new is old
-        else tuple(j for j, b in enumerate(update_bits) if b >> i & 1)
+        else tuple(
+            j for j, b in enumerate(update_bits) if b >> i & 1 and not after[i] >> j & 1
+        )
         for i, (old, new) in enumerate(zip(state_in, new_state, strict=True))
     ]
 
@@ -390,7 +433,7 @@ def _after(
     state_leaves: list[jax.Array],
     readers: list[tuple[int, ...] | None],
     live: jax.Array,
-) -> list[jax.Array]:
+) -> tuple[list[jax.Array], list[int], set[int]]:
     """`state_leaves`, each leaf that `readers` names given a data dependency
     on the updates that read its old value: `where(token, new, 0)` with one
     `token` computed after all those updates (`_token_after`), so XLA orders
@@ -399,7 +442,10 @@ def _after(
     count that every update reads through a schedule) is left to XLA, which
     copies it: one scalar copy costs less than reading every update leaf
     first. Any larger leaf is ordered, small ones too: XLA puts the copy of
-    an unordered leaf in the branch that does not run, on every mini-step."""
+    an unordered leaf in the branch that does not run, on every mini-step.
+
+    Also returns the indices of the leaves ordered and of the updates they
+    follow: reading one of those leaves comes after those updates."""
     needs = [
         i
         for i, (leaf, reads) in enumerate(zip(state_leaves, readers, strict=True))
@@ -408,16 +454,16 @@ def _after(
         and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
     ]
     if not needs:
-        return list(state_leaves)
+        return list(state_leaves), [], set()
     read = sorted({j for i in needs for j in readers[i] or ()})
     token = _token_after([update_leaves[j] for j in read], live)
     if token is None:
-        return list(state_leaves)
+        return list(state_leaves), [], set()
     out = list(state_leaves)
     for i in needs:
         leaf = out[i]
         out[i] = cast_like(lax.select(token, leaf, lax.full_like(leaf, 0)), leaf)
-    return out
+    return out, needs, set(read)
 
 
 def conform_state(new: PyTree, old: PyTree) -> PyTree:

@@ -215,8 +215,8 @@ def test_no_ordering_chain_in_any_leaf_loop():
 _SCHEDULE = optax.linear_schedule(0.0, 1e-3, 10)
 # Compositions, and the number of ordering reads (one bit cast each) per
 # update leaf in their train step: one to clear the accumulator after the
-# updates; Lion two more (its new `mu` after the update that reads the old
-# one, and the clear after that new `mu`).
+# updates; Lion one more (its new `mu` after the update that reads the old
+# one; the clear then reads the new `mu` alone).
 READS_PER_LEAF = {
     "MultiSteps(adamw)": (lambda: optax_ext.MultiSteps(optax.adamw(1e-3), 4), 1),
     "MultiSteps(skip_when(adamw))": (
@@ -233,10 +233,10 @@ READS_PER_LEAF = {
         lambda: optax_ext.MultiSteps(optax.adafactor(1e-3), 4),
         1,
     ),
-    "MultiSteps(lion)": (lambda: optax_ext.MultiSteps(optax.lion(1e-4), 4), 3),
+    "MultiSteps(lion)": (lambda: optax_ext.MultiSteps(optax.lion(1e-4), 4), 2),
     "MultiSteps(skip_when(lion))": (
         lambda: optax_ext.MultiSteps(optax_ext.skip_when(optax.lion(1e-4)), 4),
-        3,
+        2,
     ),
 }
 
@@ -248,9 +248,13 @@ def test_compositions_read_as_the_bare_optimizer(name):
     (taken as opaque, it read every output of it, 4 per leaf for adamw),
     and a scalar state leaf (the step count an injected schedule or
     Adafactor reads) is copied, not ordered after every update leaf (2 per
-    leaf)."""
+    leaf). Lion's clear reads the new `mu`, which is ordered after the
+    updates already (3 per leaf when it read both). Besides those, each
+    conditional reads one element of an input (`_runtime_true`)."""
     make, per_leaf = READS_PER_LEAF[name]
     n = 24
     extra = {"skip": jnp.asarray(False)} if "skip_when" in name else {}
     text = _lower(make(), _params(n), **extra).as_text()
-    assert text.count("bitcast_convert") == per_leaf * n, text.count("bitcast_convert")
+    reads = text.count("bitcast_convert")
+    levels = name.count("(")  # at most one conditional per wrapper
+    assert per_leaf * n <= reads <= per_leaf * n + levels, (reads, per_leaf * n)
