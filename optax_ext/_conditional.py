@@ -132,7 +132,16 @@ def update_if(
     runtime = _runtime_true(jax.tree.leaves((inner_state, grads)))
     if runtime is not None:
         live = lax.bitwise_and(pred, runtime)
-    return lax.cond(pred, run, skip, live, grads, inner_state, carry)
+    # Where a state leaf is ordered after the updates (Lion's `mu`), the
+    # conditional itself must stay one: inlined, XLA fused the updates into
+    # `apply_updates` past the token and copied the state.
+    ordering = any(
+        _orderable(aval) and reads
+        for aval, reads in zip(out_avals[n_updates:], readers, strict=True)
+    )
+    return lax.cond(
+        live if ordering else pred, run, skip, live, grads, inner_state, carry
+    )
 
 
 def _runtime_true(leaves: list[Any]) -> jax.Array | None:
@@ -205,8 +214,19 @@ def _outputs_reading_grads(jaxpr: Any, *, n_grads: int) -> list[int]:
     return [i for i in readers if not behind >> i & 1]
 
 
-# Primitives that call one inner jaxpr on their operands, one to one.
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "remat")
+# Primitives that call one inner jaxpr on their operands, one to one (for
+# custom_jvp/vjp calls, the primal function).
+_CALLS = (
+    "pjit",
+    "jit",
+    "closed_call",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "remat",
+    "remat2",
+    "checkpoint",
+)
 _CALL_PARAMS = ("jaxpr", "call_jaxpr")
 
 
@@ -449,9 +469,7 @@ def _after(
     needs = [
         i
         for i, (leaf, reads) in enumerate(zip(state_leaves, readers, strict=True))
-        if reads
-        and jnp.size(leaf) > 1
-        and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+        if reads and _orderable(leaf)
     ]
     if not needs:
         return list(state_leaves), [], set()
@@ -464,6 +482,14 @@ def _after(
         leaf = out[i]
         out[i] = cast_like(lax.select(token, leaf, lax.full_like(leaf, 0)), leaf)
     return out, needs, set(read)
+
+
+def _orderable(leaf: Any) -> bool:
+    """Whether `_after` orders a state leaf of this aval that the updates
+    read: not a scalar, not a key."""
+    return math.prod(leaf.shape) > 1 and not jax.dtypes.issubdtype(
+        leaf.dtype, jax.dtypes.prng_key
+    )
 
 
 def conform_state(new: PyTree, old: PyTree) -> PyTree:

@@ -164,12 +164,21 @@ WRAPPERS = {
     "skip_when(chain(clip, adamw))": lambda: optax_ext.skip_when(
         optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     ),
+    "MultiSteps(skip_when(lion))": lambda: optax_ext.MultiSteps(
+        optax_ext.skip_when(optax.lion(1e-4)), 4
+    ),
+    "MultiSteps(inject_hyperparams(adamw))": lambda: optax_ext.MultiSteps(
+        optax_ext.inject_hyperparams(optax.adamw)(
+            learning_rate=optax.linear_schedule(0.0, 1e-3, 10)
+        ),
+        4,
+    ),
 }
 
 
 @functools.cache
 def _size(name: str, n: int) -> int:
-    extra = {"skip": jnp.asarray(False)} if name.startswith("skip_when") else {}
+    extra = {"skip": jnp.asarray(False)} if "skip_when" in name else {}
     return _instructions(_lower(WRAPPERS[name](), _params(n), **extra).compile())
 
 
