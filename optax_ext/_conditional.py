@@ -12,7 +12,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jaxtyping import PyTree
 
-from ._sharding import is_local, sharded_type, zeros_like_struct
+from ._sharding import is_local, sharded_type, varying_axes, zeros_like_struct
 from ._tree import cast_like, check_same_shapes
 
 
@@ -147,9 +147,12 @@ def update_if(
 def _runtime_true(leaves: list[Any]) -> jax.Array | None:
     """A scalar `True` that XLA cannot compute at compile time: a test that
     holds for every bit pattern of the first element of the first readable
-    array of `leaves`; `None` where none is readable."""
+    array of `leaves` that is the same on every device (inside
+    `jax.shard_map`, a value varying over an axis would make `live` vary,
+    and the token's branches disagree in type); `None` where there is
+    none."""
     for x in leaves:
-        if isinstance(x, jax.Array) and _readable(x):
+        if isinstance(x, jax.Array) and _readable(x) and not varying_axes(x):
             bits = _first_bits(x)
             one, zero = lax.full_like(bits, 1), lax.full_like(bits, 0)
             return lax.reshape(lax.ne(lax.bitwise_or(bits, one), zero), ())
