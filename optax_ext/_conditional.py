@@ -98,8 +98,12 @@ def update_if(
             update_leaves, leaves[n_updates:], readers, live
         )
         to_read = grad_readers
-        if clear_grads and any(n_updates + i in grad_readers for i in ordered):
-            # such a leaf is computed after the updates it was ordered after
+        if clear_grads and any(
+            n_updates + i in grad_readers and _readable(state_leaves[i])
+            for i in ordered
+        ):
+            # such a leaf, read by the token, is computed after the updates
+            # it was ordered after
             to_read = [i for i in grad_readers if i not in followed]
         if clear_grads:
             # A state leaf read here that no select of this level computes
