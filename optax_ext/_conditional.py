@@ -85,6 +85,7 @@ def update_if(
         closed.jaxpr, n_grads=n_grads, n_updates=n_updates, n_state=n_state
     )
     grad_readers = _outputs_reading_grads(closed.jaxpr, n_grads=n_grads)
+    grad_set = set(grad_readers)
     traced_step = jex_core.jaxpr_as_fun(closed)
     out_def = jax.tree.structure((out_shapes, state_shapes))
     out_avals = closed.out_avals
@@ -97,10 +98,9 @@ def update_if(
         state_leaves, ordered, followed = _after(
             update_leaves, leaves[n_updates:], readers, live
         )
-        to_read = grad_readers
+        to_read, ordered = grad_readers, set(ordered)
         if clear_grads and any(
-            n_updates + i in grad_readers and _readable(state_leaves[i])
-            for i in ordered
+            n_updates + i in grad_set and _readable(state_leaves[i]) for i in ordered
         ):
             # such a leaf, read by the token, is computed after the updates
             # it was ordered after
@@ -445,12 +445,18 @@ def _updates_reading_old_state(
         if isinstance(v, jex_core.Var) and v not in inputs:
             marks[v] = (0, marks.get(v, (0, 0))[1] | (1 << j))
     after = _flow(jaxpr, [0] * len(jaxpr.invars), marks)[n_updates:]
+    # Invert update -> state bits by their set bits only (not every pair of
+    # leaves: that loop alone was quadratic in the leaves).
+    read_by: list[list[int]] = [[] for _ in state_in]
+    for j, b in enumerate(update_bits):
+        while b:
+            low = b & -b
+            i = low.bit_length() - 1
+            if not after[i] >> j & 1:
+                read_by[i].append(j)
+            b ^= low
     return [
-        None
-        if new is old
-        else tuple(
-            j for j, b in enumerate(update_bits) if b >> i & 1 and not after[i] >> j & 1
-        )
+        None if new is old else tuple(read_by[i])
         for i, (old, new) in enumerate(zip(state_in, new_state, strict=True))
     ]
 
