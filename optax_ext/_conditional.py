@@ -85,7 +85,6 @@ def update_if(
         closed.jaxpr, n_grads=n_grads, n_updates=n_updates, n_state=n_state
     )
     grad_readers = _outputs_reading_grads(closed.jaxpr, n_grads=n_grads)
-    grad_set = set(grad_readers)
     traced_step = jex_core.jaxpr_as_fun(closed)
     out_def = jax.tree.structure((out_shapes, state_shapes))
     out_avals = closed.out_avals
@@ -98,23 +97,10 @@ def update_if(
         state_leaves, ordered, followed = _after(
             update_leaves, leaves[n_updates:], readers, live
         )
-        to_read, ordered = grad_readers, set(ordered)
-        if clear_grads and any(
-            n_updates + i in grad_set and _readable(state_leaves[i]) for i in ordered
-        ):
-            # such a leaf, read by the token, is computed after the updates
-            # it was ordered after
-            to_read = [i for i in grad_readers if i not in followed]
         if clear_grads:
-            # A state leaf read here that no select of this level computes
-            # (one a nested conditional returns) gets one: read by the
-            # token's conditional and returned as it is, XLA copied it.
-            for i in to_read:
-                j = i - n_updates
-                if j >= 0 and j not in ordered and _readable(state_leaves[j]):
-                    leaf = state_leaves[j]
-                    zero = lax.full_like(leaf, 0)
-                    state_leaves[j] = cast_like(lax.select(live, leaf, zero), leaf)
+            to_read = _clear_after(
+                grad_readers, state_leaves, ordered, followed, n_updates, live
+            )
         new_updates, new_inner_state = jax.tree.unflatten(
             out_def, [*update_leaves, *state_leaves]
         )
@@ -148,6 +134,33 @@ def update_if(
     )
 
 
+def _clear_after(
+    grad_readers: list[int],
+    state_leaves: list[jax.Array],
+    ordered: set[int],
+    followed: set[int],
+    n_updates: int,
+    live: jax.Array,
+) -> list[int]:
+    """Which outputs (updates, then state) the accumulator's clear is
+    ordered after: `grad_readers`, less the updates that a readable state
+    leaf among them was ordered after by `_after` (reading that leaf comes
+    after them). A state leaf read here that no select of this level
+    computes (one a nested conditional returns) is replaced in
+    `state_leaves` by `select(live, leaf, 0)`: read by the token's
+    conditional and returned as it was, XLA copied it."""
+    to_read, reading = grad_readers, set(grad_readers)
+    if any(n_updates + i in reading and _readable(state_leaves[i]) for i in ordered):
+        to_read = [i for i in grad_readers if i not in followed]
+    for i in to_read:
+        j = i - n_updates
+        if j >= 0 and j not in ordered and _readable(state_leaves[j]):
+            leaf = state_leaves[j]
+            zero = lax.full_like(leaf, 0)
+            state_leaves[j] = cast_like(lax.select(live, leaf, zero), leaf)
+    return to_read
+
+
 def _runtime_true(leaves: list[Any]) -> jax.Array | None:
     """A scalar `True` that XLA cannot compute at compile time: a test that
     holds for every bit pattern of the first element of the first readable
@@ -157,9 +170,7 @@ def _runtime_true(leaves: list[Any]) -> jax.Array | None:
     none."""
     for x in leaves:
         if isinstance(x, jax.Array) and _readable(x) and not varying_axes(x):
-            bits = _first_bits(x)
-            one, zero = lax.full_like(bits, 1), lax.full_like(bits, 0)
-            return lax.reshape(lax.ne(lax.bitwise_or(bits, one), zero), ())
+            return lax.reshape(_holds_for_any_bits(_first_bits(x)), ())
     return None
 
 
@@ -370,10 +381,16 @@ def _all_set(bits: list[jax.Array]) -> jax.Array:
     that is true for every one (`x | 1 != 0`), which XLA cannot fold, so it
     keeps the reads."""
     v = lax.concatenate(bits, 0) if len(bits) > 1 else bits[0]
-    ones = lax.ne(lax.bitwise_or(v, lax.full_like(v, 1)), lax.full_like(v, 0))
+    ones = _holds_for_any_bits(v)
     return lax.convert_element_type(
         lax.reshape(lax.reduce_and(ones, (0,)), (1,)), jnp.uint32
     )
+
+
+def _holds_for_any_bits(v: jax.Array) -> jax.Array:
+    """`v | 1 != 0` elementwise: true for every bit pattern, yet not
+    something XLA can fold, so the reads of `v` are kept."""
+    return lax.ne(lax.bitwise_or(v, lax.full_like(v, 1)), lax.full_like(v, 0))
 
 
 def _first_bits(x: jax.Array) -> jax.Array:
@@ -466,7 +483,7 @@ def _after(
     state_leaves: list[jax.Array],
     readers: list[tuple[int, ...] | None],
     live: jax.Array,
-) -> tuple[list[jax.Array], list[int], set[int]]:
+) -> tuple[list[jax.Array], set[int], set[int]]:
     """`state_leaves`, each leaf that `readers` names given a data dependency
     on the updates that read its old value: `where(token, new, 0)` with one
     `token` computed after all those updates (`_token_after`), so XLA orders
@@ -485,16 +502,16 @@ def _after(
         if reads and _orderable(leaf)
     ]
     if not needs:
-        return list(state_leaves), [], set()
+        return list(state_leaves), set(), set()
     read = sorted({j for i in needs for j in readers[i] or ()})
     token = _token_after([update_leaves[j] for j in read], live)
     if token is None:
-        return list(state_leaves), [], set()
+        return list(state_leaves), set(), set()
     out = list(state_leaves)
     for i in needs:
         leaf = out[i]
         out[i] = cast_like(lax.select(token, leaf, lax.full_like(leaf, 0)), leaf)
-    return out, needs, set(read)
+    return out, set(needs), set(read)
 
 
 def _orderable(leaf: Any) -> bool:
