@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._sharding import typed_sharding, varying_axes
-from ._tree import as_index, check_accumulator_dtype
+from ._tree import as_index, check_accumulator_dtype, widen
 
 
 def _check_num_microbatches(num_microbatches: Any) -> int:
@@ -261,7 +261,7 @@ def _accumulate(
             )
 
     def combine(kind: str, j: jax.Array, out: jax.Array, acc: jax.Array):
-        out = out.astype(acc.dtype)
+        out = widen(out, acc.dtype)
         if kind == "sum":
             return acc + out
         if kind == "any":
@@ -357,7 +357,9 @@ def microbatched(
     the same as `MultiSteps`' (the two give the same bits on the same
     micro-batches), in `promote_types(dtype, accumulator_dtype)`: float32
     for bfloat16 and float16 outputs, their own dtype for float64 and
-    complex ones. They come back in `grad_fn`'s own dtypes. NaN and `inf`
+    complex ones. A bfloat16 output is folded as the bfloat16 value it is,
+    even where XLA fuses its computation into the fold (and would skip the
+    rounding). They come back in `grad_fn`'s own dtypes. NaN and `inf`
     in one micro-batch make the mean NaN or `inf`, as on the whole batch.
 
     **Sharding:** with the batch sharded over a data axis, every device holds

@@ -36,6 +36,7 @@ from ._tree import (
     fill_untrained_gaps,
     restore_none,
     saturating_increment,
+    widen,
 )
 
 _INT32_MAX = int(jnp.iinfo(jnp.int32).max)
@@ -222,7 +223,7 @@ def _fold(g: jax.Array, acc: jax.Array, mini_step: jax.Array, mean: bool) -> jax
     accumulators are updated in float32 and rounded once (`_work_dtype`)."""
     # lax, not jnp: no per-leaf `jit` of jnp's functions to trace and inline.
     work = _work_dtype(acc.dtype)
-    g = lax.convert_element_type(jnp.asarray(g), work)
+    g = widen(jnp.asarray(g), work)
     old = lax.convert_element_type(acc, work)
     if mean:
         count = lax.convert_element_type(mini_step + 1, work)

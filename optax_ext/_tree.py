@@ -114,6 +114,22 @@ def saturating_increment(x: jax.Array) -> jax.Array:
     return jnp.where(x < jnp.iinfo(x.dtype).max, x + 1, x).astype(x.dtype)
 
 
+def widen(x: jax.Array, dtype: Any) -> jax.Array:
+    """`x` converted to the wider `dtype`, holding exactly a value of `x`'s
+    own dtype. Where XLA fuses the computation of a bfloat16 `x` into the
+    loop that widens it, it may skip the rounding to bfloat16 (its default
+    `xla_allow_excess_precision`), so the same gradients would fold to
+    other bits depending on what the caller computes in the same step; the
+    `reduce_precision` to bfloat16 (which XLA keeps, and which rounds as the
+    conversion does) makes them the same. float16 is left alone: XLA's
+    `reduce_precision` flushes its subnormals, which the conversion keeps."""
+    wide = lax.convert_element_type(x, dtype)
+    if x.dtype == jnp.bfloat16 and jnp.dtype(dtype) != x.dtype:
+        fi = jnp.finfo(jnp.bfloat16)
+        wide = lax.reduce_precision(wide, fi.nexp, fi.nmant)
+    return wide
+
+
 def is_weak(x: Any) -> bool:
     return bool(getattr(x, "weak_type", False))
 

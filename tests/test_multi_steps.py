@@ -666,3 +666,46 @@ def test_scan_and_grad_through_update():
     assert_exact_zeros(outs[:3])
     d = jax.grad(lambda g: jnp.sum(run(g)[3]))(grads)
     np.testing.assert_allclose(d, jnp.full((4, 3), -0.25))
+
+
+@pytest.mark.parametrize("inner", ["adam", "sgd-nesterov"])
+@pytest.mark.parametrize("form", ["update", "apply_gradients"])
+def test_bfloat16_gradients_computed_in_the_step_fold_as_bfloat16(form, inner):
+    """A bfloat16 gradient computed in the same jitted step is folded as the
+    bfloat16 value it is. Fusing the gradient's computation into the fold,
+    XLA may skip its rounding (its default excess precision): the
+    accumulator then held float32 bits of the gradient (0x3fc19840 where
+    the gradient is 0x3fc20000), which depended on what else the step
+    computed, and `microbatched` and `MultiSteps` agreed only by chance."""
+    kw, kv, kx = jax.random.split(jax.random.key(1), 3)
+    params = {
+        "w": jax.random.normal(kw, (3, 8), jnp.bfloat16),
+        "b": jnp.zeros((8,), jnp.bfloat16),
+        "v": jax.random.normal(kv, (8,), jnp.bfloat16),
+    }
+    x = jax.random.normal(kx, (8, 3), jnp.bfloat16)
+
+    def loss(params, x):
+        return jnp.mean(jnp.tanh(x @ params["w"] + params["b"]) @ params["v"])
+
+    make = {
+        "adam": lambda: optax.adam(1e-2),  # in-place moments
+        "sgd-nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    }[inner]
+    opt = optax_ext.MultiSteps(make(), 4)
+
+    @jax.jit
+    def step(params, state, x):
+        grads = jax.grad(loss)(params, x)
+        if form == "apply_gradients":
+            return optax_ext.apply_gradients(opt, grads, state, params)
+        return opt.update(grads, state, params)
+
+    _, state = step(params, opt.init(params), x)
+    want = jax.jit(jax.grad(loss))(params, x)  # returned, so rounded
+    for name, acc in state.acc_grads.items():
+        bits = np.asarray(acc).view(np.uint32)
+        assert not (bits & 0xFFFF).any(), (name, [hex(b) for b in bits.ravel()])
+        np.testing.assert_array_equal(
+            np.asarray(acc), np.asarray(want[name], np.float32), err_msg=name
+        )
