@@ -268,6 +268,15 @@ def _next_counters(
     return mini.astype(mini_step.dtype), gradient
 
 
+def _as_gradient(mean: jax.Array, dtype: Any) -> jax.Array:
+    """The window's mean in the gradients' `dtype`. A complex accumulator
+    of real gradients holds a zero imaginary part, dropped by `real` (a
+    complex-to-real cast warns in JAX and is to raise)."""
+    if jnp.iscomplexobj(mean) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        mean = lax.real(mean)
+    return mean.astype(dtype)
+
+
 def _zero_accumulator(params: PyTree, accumulator_dtype: Any) -> PyTree:
     """Zeros for each params leaf, in its accumulator's dtype (`_acc_dtype`)."""
     return jax.tree_util.tree_map_with_path(
@@ -588,9 +597,7 @@ class MultiSteps(Configured):
 
         def window_grads(acc_grads):
             acc_grads = devices.window_mean(acc_grads)
-            return jax.tree.map(
-                lambda acc, dt: acc.astype(dt), acc_grads, update_dtypes
-            )
+            return jax.tree.map(_as_gradient, acc_grads, update_dtypes)
 
         def inner_update(acc_grads, inner_state):
             grads = window_grads(acc_grads)

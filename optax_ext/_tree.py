@@ -123,11 +123,13 @@ def widen(x: jax.Array, dtype: Any) -> jax.Array:
     `reduce_precision` to bfloat16 (which XLA keeps, and which rounds as the
     conversion does) makes them the same. float16 is left alone: XLA's
     `reduce_precision` flushes its subnormals, which the conversion keeps."""
-    wide = lax.convert_element_type(x, dtype)
-    if x.dtype == jnp.bfloat16 and jnp.dtype(dtype) != x.dtype:
-        fi = jnp.finfo(jnp.bfloat16)
-        wide = lax.reduce_precision(wide, fi.nexp, fi.nmant)
-    return wide
+    if x.dtype != jnp.bfloat16 or jnp.dtype(dtype) == x.dtype:
+        return lax.convert_element_type(x, dtype)
+    fi = jnp.finfo(jnp.bfloat16)
+    exact = lax.reduce_precision(
+        lax.convert_element_type(x, jnp.float32), fi.nexp, fi.nmant
+    )
+    return lax.convert_element_type(exact, dtype)  # float32 widens exactly
 
 
 def is_weak(x: Any) -> bool:

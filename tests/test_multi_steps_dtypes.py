@@ -67,6 +67,33 @@ def test_complex_params_accumulate_in_complex64_by_default():
     np.testing.assert_array_equal(np.asarray(u), [-2 + 0j])
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_bfloat16_gradients_into_a_complex64_accumulator(jit):
+    """bfloat16 gradients are rounded as bfloat16 before they are widened
+    (`_tree.widen`), and widened to any accumulator: here complex64, where
+    the rounding must not be applied to the complex value (XLA has no
+    complex `reduce_precision`)."""
+    grads = [
+        jnp.array([1.5, 2.25, -3.0, 0.1], jnp.bfloat16) * (i + 1) for i in range(2)
+    ]
+    opt = optax_ext.MultiSteps(
+        optax.sgd(1.0), every_k_schedule=2, accumulator_dtype=jnp.complex64
+    )
+    params = jnp.zeros(4, jnp.bfloat16)
+    state = opt.init(params)
+    assert state.acc_grads.dtype == jnp.complex64
+    update = jax.jit(opt.update) if jit else opt.update
+    for g in grads:
+        u, state = update(g, state, params)
+    # the mean of the bfloat16 values, in float64, rounded once to bfloat16
+    want = -np.mean([np.asarray(g, np.float64) for g in grads], axis=0)
+    assert u.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(u, np.float32),
+        np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32),
+    )
+
+
 def test_float32_gradients_into_bfloat16_accumulator_are_refused():
     """Issue 13: with bf16 params and accumulator_dtype=None, float32
     gradients were rounded to bf16."""
