@@ -354,8 +354,11 @@ def microbatched(
 
     **Numerics:** floating outputs are kept as a running mean,
     `acc + (g - acc) / (j + 1)` with the first micro-batch's value selected,
-    the same as `MultiSteps`' (the two give the same bits on the same
-    micro-batches), in `promote_types(dtype, accumulator_dtype)`: float32
+    the same as `MultiSteps`' (with the same float32 or wider accumulator
+    the two give the same bits on the same micro-batches; with
+    `accumulator_dtype=None` a bfloat16 or float16 mean is computed in its
+    own dtype here, in float32 and rounded once per mini-step there), in
+    `promote_types(dtype, accumulator_dtype)`: float32
     for bfloat16 and float16 outputs, their own dtype for float64 and
     complex ones. A bfloat16 output is folded as the bfloat16 value it is,
     even where XLA fuses its computation into the fold (and would skip the

@@ -67,12 +67,15 @@ def test_complex_params_accumulate_in_complex64_by_default():
     np.testing.assert_array_equal(np.asarray(u), [-2 + 0j])
 
 
+@pytest.mark.filterwarnings("error::DeprecationWarning")
 @pytest.mark.parametrize("jit", [False, True])
 def test_bfloat16_gradients_into_a_complex64_accumulator(jit):
     """bfloat16 gradients are rounded as bfloat16 before they are widened
     (`_tree.widen`), and widened to any accumulator: here complex64, where
     the rounding must not be applied to the complex value (XLA has no
-    complex `reduce_precision`)."""
+    complex `reduce_precision`). The window's mean goes back to the real
+    gradients' dtype by its real part, not by a complex-to-real cast (which
+    JAX deprecates: an error here)."""
     grads = [
         jnp.array([1.5, 2.25, -3.0, 0.1], jnp.bfloat16) * (i + 1) for i in range(2)
     ]

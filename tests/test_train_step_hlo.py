@@ -23,6 +23,11 @@ LAYOUTS = {
     "300 leaves": {f"w{i:03d}": jnp.zeros((16, 24)) for i in range(300)},
     # Large and of one shape: each must get zeros of its own, not a copy.
     "3 large leaves": {f"w{i}": jnp.zeros((256, 256)) for i in range(3)},
+    # bfloat16 gradients are rounded (`_tree.widen`) inside the same loop
+    # that folds them into the float32 accumulator.
+    "4 bfloat16 leaves": {
+        f"w{i}": jnp.zeros((32 * (i + 1), 48), jnp.bfloat16) for i in range(4)
+    },
 }
 
 
@@ -42,15 +47,18 @@ def _compile(opt, form, params):
 
 
 def _shapes(params):
-    return {f"f32[{','.join(map(str, p.shape))}]" for p in params.values()}
+    """The params' shapes as HLO writes them, dtype aside (`[32,48]`)."""
+    return {f"[{','.join(map(str, p.shape))}]" for p in params.values()}
 
 
 def _array_fusions(lines, params):
+    """Fusions writing an array of a params leaf's shape, in any dtype (the
+    float32 accumulator of bfloat16 params, the params themselves)."""
     return [
         line
         for line in lines
         if _opcode(line) == "fusion"
-        and line.split(" = ")[1].split("{")[0] in _shapes(params)
+        and "[" + line.split(" = ")[1].split("[", 1)[1].split("{")[0] in _shapes(params)
     ]
 
 
