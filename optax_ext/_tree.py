@@ -115,14 +115,15 @@ def saturating_increment(x: jax.Array) -> jax.Array:
 
 
 def widen(x: jax.Array, dtype: Any) -> jax.Array:
-    """`x` converted to the wider `dtype`, holding exactly a value of `x`'s
-    own dtype. Where XLA fuses the computation of a bfloat16 `x` into the
-    loop that widens it, it may skip the rounding to bfloat16 (its default
-    `xla_allow_excess_precision`), so the same gradients would fold to
-    other bits depending on what the caller computes in the same step; the
-    `reduce_precision` to bfloat16 (which XLA keeps, and which rounds as the
-    conversion does) makes them the same. float16 is left alone: XLA's
-    `reduce_precision` flushes its subnormals, which the conversion keeps."""
+    """`x` converted to `dtype` (an accumulator's: the same or wider); a
+    bfloat16 `x` widened holds exactly a bfloat16 value. Where XLA fuses
+    the computation of a bfloat16 `x` into the loop that widens it, it may
+    skip the rounding to bfloat16 (its default `xla_allow_excess_precision`),
+    so the same gradients would fold to other bits depending on what the
+    caller computes in the same step; the `reduce_precision` to bfloat16
+    (which XLA keeps, and which rounds as the conversion does) makes them
+    the same. float16 is left alone: XLA's `reduce_precision` flushes its
+    subnormals, which the conversion keeps."""
     if x.dtype != jnp.bfloat16 or jnp.dtype(dtype) == x.dtype:
         return lax.convert_element_type(x, dtype)
     fi = jnp.finfo(jnp.bfloat16)
