@@ -75,22 +75,34 @@ def update_if(
             new_carry, new_inner_state = inner_update(grads, inner_state)
         return new_carry, conform_state(new_inner_state, inner_state)
 
-    closed, (out_shapes, state_shapes) = jax.make_jaxpr(step, return_shape=True)(
-        grads, inner_state, carry
-    )
+    # Traced once here, for the analysis below; called in the running
+    # branch, where the same avals find this trace in `jit`'s cache.
+    jitted = jax.jit(step)
+    traced = jitted.trace(grads, inner_state, carry)
+    closed = traced.jaxpr
+    out_shapes, state_shapes = traced.out_info
     n_grads = len(jax.tree.leaves(grads))
     n_state = len(jax.tree.leaves(inner_state))
     n_updates = len(jax.tree.leaves(out_shapes))
-    readers = _updates_reading_old_state(
-        closed.jaxpr, n_grads=n_grads, n_updates=n_updates, n_state=n_state
+    # Values `step` closes over (tracers of the caller) lead the invars.
+    n_consts = len(closed.jaxpr.invars) - len(
+        jax.tree.leaves((grads, inner_state, carry))
     )
-    grad_readers = _outputs_reading_grads(closed.jaxpr, n_grads=n_grads)
-    traced_step = jex_core.jaxpr_as_fun(closed)
+    readers = _updates_reading_old_state(
+        closed.jaxpr,
+        n_grads=n_grads,
+        n_updates=n_updates,
+        n_state=n_state,
+        n_consts=n_consts,
+    )
+    grad_readers = _outputs_reading_grads(
+        closed.jaxpr, n_grads=n_grads, n_consts=n_consts
+    )
     out_def = jax.tree.structure((out_shapes, state_shapes))
     out_avals = closed.out_avals
 
     def run(live, grads, inner_state, carry):
-        leaves = traced_step(*jax.tree.leaves((grads, inner_state, carry)))
+        leaves = jax.tree.leaves(jitted(grads, inner_state, carry))
         # A constant output comes back as a Python or NumPy value.
         leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
         update_leaves = leaves[:n_updates]
@@ -207,16 +219,17 @@ def _tagged_zeros(struct: Any, i: int, live: jax.Array) -> jax.Array:
     return lax.broadcast(lax.select(live, tag, lax.full((), 0, dtype)), struct.shape)
 
 
-def _outputs_reading_grads(jaxpr: Any, *, n_grads: int) -> list[int]:
+def _outputs_reading_grads(jaxpr: Any, *, n_grads: int, n_consts: int = 0) -> list[int]:
     """Indices of the outputs (updates, then new state) of `step`'s jaxpr
-    whose value depends on the first `n_grads` inputs, leaving out those that
+    whose value depends on the `n_grads` inputs after the first `n_consts`
+    (the gradients after the values `step` closes over), leaving out those that
     another such output depends on (Adam's new moments, which its updates
     read): an output computed after them is computed after their reads of
     the inputs too. The analysis looks into calls and conditionals
     (`_flow`); other equations with inner jaxprs pass every input's
     dependency to every output, which can only add outputs."""
     n_in = len(jaxpr.invars)
-    grads_bit = [1] * n_grads + [0] * (n_in - n_grads)
+    grads_bit = [0] * n_consts + [1] * n_grads + [0] * (n_in - n_consts - n_grads)
     reading = _flow(jaxpr, grads_bit, {})
     readers = [i for i, m in enumerate(reading) if m]
     # Which outputs each output is computed from, one bit per output: the
@@ -431,7 +444,12 @@ def _zeros_after(grads: PyTree, done: jax.Array | None) -> PyTree:
 
 
 def _updates_reading_old_state(
-    jaxpr: Any, *, n_grads: int, n_updates: int, n_state: int | None = None
+    jaxpr: Any,
+    *,
+    n_grads: int,
+    n_updates: int,
+    n_state: int | None = None,
+    n_consts: int = 0,
 ) -> list[tuple[int, ...] | None]:
     """For each state leaf of `step`'s jaxpr: the indices of the update leaves
     that depend on its old value other than through its new value, or `None`
@@ -443,12 +461,13 @@ def _updates_reading_old_state(
     found: a leaf whose old value only another leaf's new value reads is
     left to XLA (which copies where it cannot order them).
     """
-    end = None if n_state is None else n_grads + n_state
-    state_in = jaxpr.invars[n_grads:end]
+    first = n_consts + n_grads  # the invars: closed-over values, grads, state
+    end = None if n_state is None else first + n_state
+    state_in = jaxpr.invars[first:end]
     new_state = jaxpr.outvars[n_updates:]
     in_masks = [0] * len(jaxpr.invars)
     for i in range(len(state_in)):
-        in_masks[n_grads + i] |= 1 << i
+        in_masks[first + i] |= 1 << i
     inputs = set(jaxpr.invars)
     blocked: dict[Any, tuple[int, int]] = {}
     for i, v in enumerate(new_state):
