@@ -3,6 +3,9 @@ or the fused `apply_gradients`, params and state donated), with a handful of
 leaves, with a realistic 300 and with a few large ones of one shape:
 exact, so asserted here."""
 
+import re
+from importlib.metadata import version
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -62,6 +65,11 @@ def _array_fusions(lines, params):
     ]
 
 
+def _jaxlib() -> tuple[int, ...]:
+    major, minor, patch = re.match(r"(\d+)\.(\d+)\.(\d+)", version("jaxlib")).groups()
+    return int(major), int(minor), int(patch)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("form", ["update", "apply_gradients"])
 @pytest.mark.parametrize("inner", INNER)
@@ -71,6 +79,11 @@ def test_mini_step_runs_no_inner_optimizer(inner, form, layout):
     conditional's idle branch computes nothing on arrays (the fused form
     passes everything through; the drop-in form writes zeros) and no array
     is copied anywhere outside the emitting branch."""
+    if layout == "4 bfloat16 leaves" and inner != "lion" and _jaxlib() < (0, 9, 1):
+        # XLA:CPU before jaxlib 0.9.1 computes bfloat16 through float32 and
+        # duplicates the new moment into the loop of the updates, which then
+        # read the old one: every state leaf is copied (same values).
+        pytest.skip("jaxlib < 0.9.1 copies bfloat16 state (docs/design.md)")
     params = LAYOUTS[layout]
     compiled = _compile(optax_ext.MultiSteps(INNER[inner](), NEVER), form, params)
     _assert_idle_branch_only_writes_zeros(compiled, zeros=form == "update")
