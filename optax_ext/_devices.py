@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import PyTree
 
-from ._sharding import varying_axes
+from ._sharding import varying_axes, varying_call
 
 
 class OneView:
@@ -107,8 +107,8 @@ class AxisView(OneView):
                     f"are the same on every device along {name!r}: under "
                     "`jax.shard_map`, `jax.grad` with respect to replicated "
                     "params sums the gradients over the devices already. Take "
-                    f"the gradient with respect to `jax.lax.pcast(params, "
-                    f"{name!r}, to='varying')` to get this device's gradients."
+                    f"the gradient with respect to `{varying_call(name)}` to "
+                    "get this device's gradients."
                 )
 
     def agree(self, should_skip: jax.Array) -> jax.Array:

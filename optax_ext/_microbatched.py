@@ -33,7 +33,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._sharding import typed_sharding, varying_axes
+from ._sharding import cast_varying, typed_sharding, varying_axes
 from ._tree import as_index, check_accumulator_dtype, widen
 
 
@@ -185,7 +185,7 @@ def _pcast_varying(tree: PyTree, axis_name: Hashable) -> PyTree:
         missing = tuple(n for n in names if axes is None or n not in axes)
         if axes is None or not missing:
             return x
-        return lax.pcast(x, missing, to="varying")
+        return cast_varying(x, missing)
 
     return jax.tree.map(cast, tree)
 
@@ -316,7 +316,7 @@ def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
     want, have = varying_axes(like), varying_axes(value)
     if want is None or have is None or want <= have:
         return value
-    return lax.pcast(value, tuple(want - have), to="varying")
+    return cast_varying(value, tuple(want - have))
 
 
 def microbatched(

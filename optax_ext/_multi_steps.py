@@ -105,6 +105,15 @@ def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
     return jnp.logical_and(k > 0, mini_step + 1 >= k)
 
 
+# Raised by JAX for dtypes it does not promote together (float8 with
+# float32). Public as `jax.dtypes.TypePromotionError` from jax 0.10; before,
+# only its base class is: catching that is as narrow here, where the calls
+# in each `try` can raise nothing else.
+_PROMOTION_ERROR: type[Exception] = getattr(
+    jax.dtypes, "TypePromotionError", ValueError
+)
+
+
 def _holds(wide: Any, narrow: Any) -> bool:
     """Whether every value of dtype `narrow` is a value of dtype `wide` (as
     JAX promotes: integers count as held by floats). For the dtypes JAX does
@@ -112,7 +121,7 @@ def _holds(wide: Any, narrow: Any) -> bool:
     compared."""
     try:
         return jnp.promote_types(narrow, wide) == wide
-    except jax.dtypes.TypePromotionError:
+    except _PROMOTION_ERROR:
         pass
     if not (jnp.issubdtype(wide, jnp.inexact) and jnp.issubdtype(narrow, jnp.inexact)):
         return False
@@ -128,7 +137,7 @@ def _promote(dtype: Any, accumulator_dtype: Any, path: str) -> Any:
     """The least dtype holding both, or an error naming `accumulator_dtype`."""
     try:
         return jnp.promote_types(dtype, accumulator_dtype)
-    except jax.dtypes.TypePromotionError:
+    except _PROMOTION_ERROR:
         pass
     if _holds(accumulator_dtype, dtype):
         return jnp.dtype(accumulator_dtype)
@@ -299,7 +308,7 @@ def _acc_dtype(param: Any, acc: Any, path: str) -> Any:
         return dtype
     try:
         return jnp.result_type(param, acc)
-    except jax.dtypes.TypePromotionError:
+    except _PROMOTION_ERROR:
         return _promote(dtype, acc, path)
 
 
@@ -328,7 +337,7 @@ def _check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None
         g_dtype = jnp.result_type(g)
         try:
             held = jnp.result_type(g, a.dtype) == a.dtype
-        except jax.dtypes.TypePromotionError:
+        except _PROMOTION_ERROR:
             held = _holds(a.dtype, g_dtype)
         if held:
             continue

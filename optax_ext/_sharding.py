@@ -128,6 +128,23 @@ def varying_axes(x: Any) -> frozenset | None:
     return None if vma is None else frozenset(vma)
 
 
+def cast_varying(x: jax.Array, axes: tuple) -> jax.Array:
+    """`x` typed as differing across the mesh axes `axes` inside
+    `jax.shard_map` (`jax.lax.pcast(..., to="varying")`, which jax 0.8 calls
+    `jax.lax.pvary`)."""
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)  # pyright: ignore[reportAttributeAccessIssue]  # jax < 0.9
+
+
+def varying_call(name: Any) -> str:
+    """How the user writes `cast_varying` of params over the axis `name`
+    with the installed JAX (for error messages)."""
+    if hasattr(jax.lax, "pcast"):
+        return f"jax.lax.pcast(params, {name!r}, to='varying')"
+    return f"jax.lax.pvary(params, {name!r})"
+
+
 def is_local(x: Any) -> bool:
     """Whether `x` is known to live whole on each device that computes with
     it: the process has one device, or `x` is traced inside `jax.shard_map`

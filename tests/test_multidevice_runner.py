@@ -7,6 +7,7 @@ a child pytest process started here with the flag set.
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -38,4 +39,9 @@ def test_multidevice_tests_pass_on_8_cpu_devices():
         f"multi-device tests failed ({summary[0]}):\n"
         f"{result.stdout[-8000:]}\n{result.stderr[-4000:]}"
     )
-    assert " passed" in summary[0] and "skipped" not in summary[0], summary[0]
+    # Nothing is skipped there, but the docs page written for jax.lax.pcast
+    # on a JAX without it (test_docs.py says why).
+    skipped = re.search(r"(\d+) skipped", summary[0])
+    expected = 0 if hasattr(jax.lax, "pcast") else 1
+    assert " passed" in summary[0], summary[0]
+    assert (int(skipped.group(1)) if skipped else 0) == expected, summary[0]

@@ -111,7 +111,11 @@ def _child(process_id: int, port: int, out: str) -> None:
             out_specs=(P(), specs),
         )
         def mini_step(params, state, batch):
-            grads = jax.grad(loss)(jax.lax.pcast(params, "data", to="varying"), batch)
+            if hasattr(jax.lax, "pcast"):
+                varying = jax.lax.pcast(params, "data", to="varying")
+            else:  # jax < 0.9
+                varying = jax.lax.pvary(params, "data")
+            grads = jax.grad(loss)(varying, batch)
             updates, state = opt.update(grads, state, params)
             return optax.apply_updates(params, updates), state
 
