@@ -102,9 +102,8 @@ def update_if(
     out_avals = closed.out_avals
 
     def run(live, grads, inner_state, carry):
+        # jit's outputs have the traced avals (`out_avals`) exactly
         leaves = jax.tree.leaves(jitted(grads, inner_state, carry))
-        # A constant output comes back as a Python or NumPy value.
-        leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
         update_leaves = leaves[:n_updates]
         state_leaves, ordered, followed = _after(
             update_leaves, leaves[n_updates:], readers, live
