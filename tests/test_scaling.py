@@ -70,18 +70,26 @@ def _nestings(leaf):
 NESTINGS = list(_nestings(None))
 
 
+@pytest.mark.parametrize("form", ["update", "apply_gradients"])
 @pytest.mark.parametrize("nesting", NESTINGS)
-def test_inner_update_is_traced_once(nesting):
+def test_inner_update_is_traced_once(nesting, form):
     """A jitted train step traces the innermost optimizer's `update` exactly
     once, however deeply `MultiSteps`, `skip_when` and `inject_hyperparams`
-    nest (each level used to trace it twice: 2, 4, 8 at depths 1-3)."""
+    nest (each level used to trace it twice: 2, 4, 8 at depths 1-3), in the
+    drop-in form and in the fused one."""
     calls = []
     opt = _nestings(lambda: counting(optax.adam(1e-3), calls))[nesting]()
     params = _params(3)
     state = opt.init(params)
     calls.clear()  # init may trace updates abstractly; only `update` counts
     extra = {"skip": jnp.asarray(False)} if "skip_when" in nesting else {}
-    step = _train_step(opt, **extra)
+    if form == "update":
+        step = _train_step(opt, **extra)
+    else:
+        step = jax.jit(
+            lambda p, s, g: optax_ext.apply_gradients(opt, g, s, p, **extra),
+            donate_argnums=(0, 1),
+        )
     grads = jax.tree.map(lambda p: 0.5 * p, params)
     new_params, state = step(params, state, grads)
     assert len(calls) == 1, (nesting, len(calls))
