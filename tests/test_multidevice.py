@@ -438,9 +438,17 @@ def _all_reduces(text):
 @pytest.mark.parametrize("form", ["update", "apply_gradients"])
 @pytest.mark.parametrize("skip", [False, True])
 def test_mini_step_has_no_collective_and_emit_reduces_once(skip, form):
+    """Also: inside `shard_map` the step traces Adam's `update` once (over
+    the training run and the lowering here)."""
     params, xs, ys = _problem(1)
+    adam, traces = optax.adam(1e-2), []
+
+    def counted(grads, state, params=None, **extra):
+        traces.append(1)
+        return adam.update(grads, state, params)
+
     opt = optax_ext.MultiSteps(
-        optax.adam(1e-2),
+        optax.GradientTransformationExtraArgs(adam.init, counted),
         K,
         should_skip_update_fn=optax.skip_not_finite if skip else None,
         axis_name="data",
@@ -461,6 +469,7 @@ def test_mini_step_has_no_collective_and_emit_reduces_once(skip, form):
             .compile()
             .as_text()
         )
+    assert len(traces) == 1
     entry, emit, no_emit = _branches(hlo)
     assert _all_reduces(no_emit) == []
     # The skip decision is one scalar; without a skip function, nothing.
