@@ -75,19 +75,27 @@ def update_if(
             new_carry, new_inner_state = inner_update(grads, inner_state)
         return new_carry, conform_state(new_inner_state, inner_state)
 
-    # Traced once here, for the analysis below; called in the running
-    # branch, where the same avals find this trace in `jit`'s cache.
-    jitted = jax.jit(step)
-    traced = jitted.trace(grads, inner_state, carry)
-    closed = traced.jaxpr
-    out_shapes, state_shapes = traced.out_info
+    operands = (grads, inner_state, carry)
+    if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
+        # `jit` would run `step` again in the branch (once more per level
+        # when nested): evaluate the jaxpr traced here instead.
+        closed, (out_shapes, state_shapes) = jax.make_jaxpr(step, return_shape=True)(
+            *operands
+        )
+        n_consts = 0  # closed-over values are the jaxpr's consts
+        call = lambda *args: jex_core.jaxpr_as_fun(closed)(*jax.tree.leaves(args))  # noqa: E731
+    else:
+        # Traced once here, for the analysis below; called in the running
+        # branch, where the same avals find this trace in `jit`'s cache.
+        call = jax.jit(step)
+        traced = call.trace(*operands)
+        closed = traced.jaxpr
+        out_shapes, state_shapes = traced.out_info
+        # Values `step` closes over (tracers of the caller) lead the invars.
+        n_consts = len(closed.jaxpr.invars) - len(jax.tree.leaves(operands))
     n_grads = len(jax.tree.leaves(grads))
     n_state = len(jax.tree.leaves(inner_state))
     n_updates = len(jax.tree.leaves(out_shapes))
-    # Values `step` closes over (tracers of the caller) lead the invars.
-    n_consts = len(closed.jaxpr.invars) - len(
-        jax.tree.leaves((grads, inner_state, carry))
-    )
     readers = _updates_reading_old_state(
         closed.jaxpr,
         n_grads=n_grads,
@@ -102,8 +110,9 @@ def update_if(
     out_avals = closed.out_avals
 
     def run(live, grads, inner_state, carry):
-        # jit's outputs have the traced avals (`out_avals`) exactly
-        leaves = jax.tree.leaves(jitted(grads, inner_state, carry))
+        leaves = jax.tree.leaves(call(grads, inner_state, carry))
+        # Evaluated eagerly, a constant output is a Python or NumPy value.
+        leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
         update_leaves = leaves[:n_updates]
         state_leaves, ordered, followed = _after(
             update_leaves, leaves[n_updates:], readers, live

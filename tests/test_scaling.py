@@ -12,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -97,6 +98,43 @@ def test_inner_update_is_traced_once(nesting, form):
     # buffers reuses it
     step(new_params, state, grads)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_inner_update_runs_once_with_jit_disabled(depth):
+    """Under `jax.disable_jit()` nothing is cached: the inner update still
+    runs once per step (calling the traced `jit` in the branch ran it again
+    at every level, 2, 4, 8 times), with the jitted step's dtypes and values
+    (to an ulp), also where it returns NumPy constants (float64 ones
+    included)."""
+    calls = []
+    opt = counting(optax.adam(1e-2), calls)
+    for _ in range(depth):
+        opt = optax_ext.MultiSteps(opt, 1)  # every level emits
+    params = _params(2)
+    grads = jax.tree.map(lambda p: 0.5 * p, params)
+    state = opt.init(params)
+    calls.clear()
+    with jax.disable_jit():
+        eager, _ = opt.update(grads, state, params)
+    assert len(calls) == 1
+    jitted, _ = jax.jit(opt.update)(grads, state, params)
+    for e, j in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
+        assert e.dtype == j.dtype
+        # op by op against fused loops: FMA contraction may differ by an ulp
+        np.testing.assert_allclose(np.asarray(e), np.asarray(j), rtol=1e-6)
+
+    def constant(grads, state, params=None):
+        return jax.tree.map(lambda g: np.full(g.shape, 0.5), grads), state
+
+    inner = optax.GradientTransformation(lambda p: (), constant)
+    const = optax_ext.MultiSteps(inner, 1)
+    with jax.disable_jit():
+        updates, _ = const.update(grads, const.init(params), params)
+    assert all(
+        isinstance(u, jax.Array) and u.dtype == jnp.float32
+        for u in jax.tree.leaves(updates)
+    )
 
 
 def _counted_adam(inits: list, updates: list) -> optax.GradientTransformation:
