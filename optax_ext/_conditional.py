@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 from jaxtyping import PyTree
@@ -38,7 +39,9 @@ def update_if(
     carry: PyTree = None,
 ) -> tuple[PyTree, PyTree, PyTree | None]:
     """`inner_update(grads, inner_state)` where `pred`, else zero updates and
-    `inner_state` as it came in.
+    `inner_state` as it came in. `pred` is a scalar bool: a traced array, or
+    a NumPy or Python bool known at trace time (XLA then inlines the
+    conditional).
 
     The zeros have the dtypes of the inner optimizer's updates (not of
     `grads`), and the new state is conformed to the old one's avals, so both
@@ -134,7 +137,7 @@ def update_if(
         kept = carry if carried else _distinct_zeros(out_shapes, live)
         return kept, inner_state, (grads if clear_grads else None)
 
-    # `pred` goes in as an operand too: inside the running branch it is a
+    # `live` goes in as an operand: inside the running branch it is a
     # `True` that XLA cannot fold (see `_token_after`), even where `pred` is
     # a constant (`skip_when` called without `skip`), whose conditional XLA
     # inlines: there one element of an input is tested as well.
@@ -149,8 +152,19 @@ def update_if(
         _orderable(aval) and reads
         for aval, reads in zip(out_avals[n_updates:], readers, strict=True)
     )
+    # A `pred` known at trace time (a NumPy or Python bool: `skip_when`
+    # called without `skip`) indexes the conditional, which XLA then inlines.
+    # A traced one indexes it through `live`: XLA computes `live` and the
+    # index in one kernel, where `pred` would take one more to convert.
+    static = isinstance(pred, bool | np.bool_ | np.ndarray)
     return lax.cond(
-        live if ordering else pred, run, skip, live, grads, inner_state, carry
+        pred if static and not ordering else live,
+        run,
+        skip,
+        live,
+        grads,
+        inner_state,
+        carry,
     )
 
 
@@ -279,9 +293,9 @@ def _flow(
     `adjust` maps a variable to `(clear, set)`: where an equation defines
     it, its users see its mask less `clear` and with `set` (the mask
     returned for an output of the jaxpr is the one before). Calls and
-    `cond` are looked into: each output of a conditional depends on the
-    predicate and on what it depends on in some branch, and an adjusted
-    output is adjusted where its branch defines it. Any other equation with
+    `cond` are looked into: each output of a conditional depends on what it
+    depends on in some branch (not on the index, read before either branch
+    runs), and an adjusted output is adjusted where its branch defines it. Any other equation with
     inner jaxprs (loops) passes every input's mask to every output."""
     env: dict[Any, int] = {}
     defined: dict[Any, int] = {}
@@ -312,8 +326,10 @@ def _eqn_flow(
     """The masks of `eqn`'s outputs (see `_flow`)."""
     name = eqn.primitive.name
     if name == "cond":
-        index, *operands = masks
-        out = [index] * len(eqn.outvars)
+        # The index is read before either branch runs, so it orders nothing
+        # that the branches write: only the operands are followed.
+        _, *operands = masks
+        out = [0] * len(eqn.outvars)
         for branch in eqn.params["branches"]:
             got = _flow(
                 branch.jaxpr, operands, _inner_adjust(branch.jaxpr, eqn, adjust)

@@ -111,7 +111,10 @@ def check_same_shapes(
 def saturating_increment(x: jax.Array) -> jax.Array:
     """`x + 1`, staying at the dtype's maximum instead of wrapping around."""
     x = jnp.asarray(x)
-    return jnp.where(x < jnp.iinfo(x.dtype).max, x + 1, x).astype(x.dtype)
+    top = jnp.iinfo(x.dtype).max
+    # The same expression as `optax.safe_increment`, so that XLA computes
+    # this count and the inner optimizer's in one kernel.
+    return jnp.where(x < top, x + 1, jnp.asarray(top, x.dtype)).astype(x.dtype)
 
 
 def widen(x: jax.Array, dtype: Any) -> jax.Array:

@@ -163,11 +163,13 @@ def test_only_state_read_before_its_write_gets_a_dependency():
     # update and doubled the temporary memory of MultiSteps(skip_when)).
     # Its state is the inner state: skip_when adds no leaf.
     # Lion's new `mu` is ordered after its updates by the skip_when already
-    # (a data dependency on them): nothing is added outside. (Its count, a
-    # scalar never ordered, is read: the skip_when's conditional tests one
-    # element of its state, the count, for a runtime `True`.)
-    assert readers(_skipping(optax.lion(1e-4)))[1:] == [()] * n
+    # (a data dependency on them): nothing is added outside. The skip_when's
+    # conditional is indexed by a test of one element of its first state
+    # leaf (a runtime `True`): read before either branch runs, that orders
+    # nothing, whether the leaf is a count or SGD's momentum trace.
+    assert readers(_skipping(optax.lion(1e-4))) == [()] * (1 + n)
     assert readers(_skipping(optax.adam(1e-3))) == [()] * (1 + 2 * n)
+    assert readers(_skipping(optax.sgd(1e-3, momentum=0.9))) == [()] * n
 
 
 def _with_custom_vjp(f):
@@ -417,3 +419,27 @@ def test_skip_when_without_flag_keeps_state_in_place(inner):
     traced_temp = traced.memory_analysis().temp_size_in_bytes
     smallest = min(p.nbytes for p in PARAMS.values())
     assert temp < traced_temp + smallest, (temp, traced_temp)  # no leaf more
+
+
+@pytest.mark.parametrize("flag", ["absent", "python bool", "traced"])
+def test_skip_when_flag_known_at_trace_time_leaves_no_conditional(flag):
+    """A flag known at trace time (absent, or a Python bool) indexes
+    skip_when's conditional directly, and XLA inlines it: the compiled step
+    of Adam (no state leaf ordered) holds no conditional. A traced flag
+    keeps one, indexed by a test that XLA cannot fold (indexing the known
+    flag that way too kept the conditional on every step)."""
+    tx = optax_ext.skip_when(optax.adam(1e-3))
+
+    def train_step(params, state, grads, skip):
+        extra = {"absent": {}, "python bool": {"skip": False}}.get(flag, {"skip": skip})
+        updates, state = tx.update(grads, state, params, **extra)
+        return optax.apply_updates(params, updates), state
+
+    fn = jax.jit(train_step, donate_argnums=(0, 1))
+    text = fn.lower(PARAMS, tx.init(PARAMS), GRADS, jnp.asarray(False)).compile()
+    opcodes = [
+        _opcode(line.strip())
+        for line in text.as_text().splitlines()
+        if re.match(r"\s*(ROOT )?%\S+ = .*? [a-z][\w-]*\(", line)
+    ]
+    assert opcodes.count("conditional") == (flag == "traced")

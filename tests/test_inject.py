@@ -350,3 +350,16 @@ def test_kwargs_entries_are_passed_through():
         jax.jit(opt.update)(jnp.ones(2), state, jnp.zeros(2))
         assert set(state.hyperparams) == {"learning_rate"}
         assert seen and all(type(b) is float and b == 0.5 for b in seen), seen
+
+
+@pytest.mark.parametrize("offset", [2, 1, 0])
+def test_count_saturates_at_the_int32_maximum(offset):
+    """The step count goes up by one and stops at the int32 maximum instead
+    of wrapping around (as `optax.safe_increment` does)."""
+    top = int(jnp.iinfo(jnp.int32).max)
+    opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    state = opt.init(jnp.zeros(3))
+    state = state._replace(count=jnp.asarray(top - offset, jnp.int32))
+    _, state = jax.jit(opt.update)(jnp.ones(3), state)
+    assert state.count.dtype == jnp.int32
+    assert int(state.count) == min(top - offset + 1, top)
