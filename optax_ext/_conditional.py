@@ -8,9 +8,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
+from jax.core import Tracer
 from jax.extend import core as jex_core
+from jax.typing import ArrayLike
 from jaxtyping import PyTree
 
 from ._sharding import is_local, sharded_type, varying_axes, zeros_like_struct
@@ -30,7 +31,7 @@ def check_transformation(value: Any, name: str) -> None:
 
 
 def update_if(
-    pred: jax.Array,
+    pred: ArrayLike,
     inner_update: Callable[..., tuple[PyTree, PyTree]],
     grads: PyTree,
     inner_state: PyTree,
@@ -39,9 +40,9 @@ def update_if(
     carry: PyTree = None,
 ) -> tuple[PyTree, PyTree, PyTree | None]:
     """`inner_update(grads, inner_state)` where `pred`, else zero updates and
-    `inner_state` as it came in. `pred` is a scalar bool: a traced array, or
-    a NumPy or Python bool known at trace time (XLA then inlines the
-    conditional).
+    `inner_state` as it came in. `pred` is a scalar bool: traced, or known
+    at trace time (a Python or NumPy bool, a concrete array), where XLA
+    inlines the conditional.
 
     The zeros have the dtypes of the inner optimizer's updates (not of
     `grads`), and the new state is conformed to the old one's avals, so both
@@ -152,11 +153,12 @@ def update_if(
         _orderable(aval) and reads
         for aval, reads in zip(out_avals[n_updates:], readers, strict=True)
     )
-    # A `pred` known at trace time (a NumPy or Python bool: `skip_when`
-    # called without `skip`) indexes the conditional, which XLA then inlines.
-    # A traced one indexes it through `live`: XLA computes `live` and the
-    # index in one kernel, where `pred` would take one more to convert.
-    static = isinstance(pred, bool | np.bool_ | np.ndarray)
+    # A `pred` known at trace time (not a tracer: `skip_when` called without
+    # `skip`, or with a Python bool) indexes the conditional, which XLA then
+    # inlines. A traced one indexes it through `live`: XLA computes `live`
+    # and the index in one kernel, where `pred` would take one more to
+    # convert.
+    static = not isinstance(pred, Tracer)
     return lax.cond(
         pred if static and not ordering else live,
         run,
@@ -295,8 +297,9 @@ def _flow(
     returned for an output of the jaxpr is the one before). Calls and
     `cond` are looked into: each output of a conditional depends on what it
     depends on in some branch (not on the index, read before either branch
-    runs), and an adjusted output is adjusted where its branch defines it. Any other equation with
-    inner jaxprs (loops) passes every input's mask to every output."""
+    runs), and an adjusted output is adjusted where its branch defines it.
+    Any other equation with inner jaxprs (loops) passes every input's mask
+    to every output."""
     env: dict[Any, int] = {}
     defined: dict[Any, int] = {}
 

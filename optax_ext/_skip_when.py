@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.core import Tracer
 
 from ._apply import apply_gradients, merge_trainable
 from ._conditional import check_transformation, update_if
@@ -80,15 +81,17 @@ class _SkipWhen(Configured):
         Without it the step is not skipped: callers that pass no extra
         arguments (flax's `TrainState.apply_gradients`) run `inner`."""
         value = extra_args.pop(self.flag, False)
-        # A value known at trace time stays a NumPy bool: `update_if` then
-        # lets XLA inline the conditional.
-        skip = value if isinstance(value, jax.Array) else np.asarray(value)
+        # A value known at trace time (a Python bool, a concrete array) is
+        # kept as a NumPy bool: `update_if` then lets XLA inline the
+        # conditional.
+        traced = isinstance(value, Tracer)
+        skip = value if traced else np.asarray(value)
         if skip.dtype != jnp.bool_ or skip.shape != ():
             raise TypeError(
                 f"skip_when: {self.flag} must be a scalar bool, got dtype "
                 f"{skip.dtype} and shape {skip.shape}."
             )
-        return np.logical_not(skip) if isinstance(skip, np.ndarray) else ~skip
+        return jnp.logical_not(skip) if traced else np.logical_not(skip)
 
 
 def skip_when(

@@ -421,17 +421,22 @@ def test_skip_when_without_flag_keeps_state_in_place(inner):
     assert temp < traced_temp + smallest, (temp, traced_temp)  # no leaf more
 
 
-@pytest.mark.parametrize("flag", ["absent", "python bool", "traced"])
+@pytest.mark.parametrize("flag", ["absent", "python bool", "concrete array", "traced"])
 def test_skip_when_flag_known_at_trace_time_leaves_no_conditional(flag):
-    """A flag known at trace time (absent, or a Python bool) indexes
-    skip_when's conditional directly, and XLA inlines it: the compiled step
-    of Adam (no state leaf ordered) holds no conditional. A traced flag
-    keeps one, indexed by a test that XLA cannot fold (indexing the known
-    flag that way too kept the conditional on every step)."""
+    """A flag known at trace time (absent, a Python bool, an array closed
+    over) indexes skip_when's conditional directly, and XLA inlines it: the
+    compiled step of Adam (no state leaf ordered) holds no conditional. A
+    traced flag keeps one, indexed by a test that XLA cannot fold (indexing
+    the known flag that way too kept the conditional on every step)."""
     tx = optax_ext.skip_when(optax.adam(1e-3))
+    known = {
+        "absent": {},
+        "python bool": {"skip": False},
+        "concrete array": {"skip": jnp.asarray(False)},
+    }
 
     def train_step(params, state, grads, skip):
-        extra = {"absent": {}, "python bool": {"skip": False}}.get(flag, {"skip": skip})
+        extra = known.get(flag, {"skip": skip})
         updates, state = tx.update(grads, state, params, **extra)
         return optax.apply_updates(params, updates), state
 
