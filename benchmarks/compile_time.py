@@ -19,7 +19,8 @@ Candidates: the bare inner optimizer; optax.MultiSteps and
 optax_ext.MultiSteps of it; and for `adamw` the compositions, each beside its
 optax counterpart wrapped in optax.MultiSteps: `inject_hyperparams` (a
 learning-rate schedule), `zero_nans` in a chain, `skip_when` (against
-`optax.apply_if_finite`, optax's conditional skip).
+`optax.apply_if_finite`, optax's conditional skip; its flag is an argument
+of the step, as in a training loop).
 """
 
 from __future__ import annotations
@@ -128,16 +129,17 @@ def compile_once(
     opt = make()
     params = {f"w{i:04d}": jnp.zeros((64, 64), jnp.float32) for i in range(n_leaves)}
     state = opt.init(params)
+    # Extra arguments (skip_when's flag) are arguments of the step, traced
+    # as in a training loop.
     kwargs = {k: jnp.asarray(v) for k, v in extra.items()}
 
-    def step(params, opt_state, grads):
+    def step(params, opt_state, grads, kwargs):
         updates, opt_state = opt.update(grads, opt_state, params, **kwargs)
         return optax.apply_updates(params, updates), opt_state
 
     start, cpu_start = time.perf_counter(), time.process_time()
-    compiled = (
-        jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
-    )
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    compiled = jitted.lower(params, state, params, kwargs).compile()
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     return seconds, cpu, len(compiled.as_text().splitlines())
 
