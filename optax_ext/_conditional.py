@@ -9,9 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.core import Tracer
 from jax.extend import core as jex_core
-from jax.typing import ArrayLike
 from jaxtyping import PyTree
 
 from ._sharding import is_local, sharded_type, varying_axes, zeros_like_struct
@@ -31,18 +29,19 @@ def check_transformation(value: Any, name: str) -> None:
 
 
 def update_if(
-    pred: ArrayLike,
+    pred: jax.Array,
     inner_update: Callable[..., tuple[PyTree, PyTree]],
     grads: PyTree,
     inner_state: PyTree,
     *,
     clear_grads: bool = False,
     carry: PyTree = None,
+    index_by_live: bool = False,
 ) -> tuple[PyTree, PyTree, PyTree | None]:
     """`inner_update(grads, inner_state)` where `pred`, else zero updates and
-    `inner_state` as it came in. `pred` is a scalar bool: traced, or known
-    at trace time (a Python or NumPy bool, a concrete array), where XLA
-    inlines the conditional.
+    `inner_state` as it came in. With `index_by_live`, `pred` is computed
+    from the caller's state (`MultiSteps`' counters), so it is batched
+    wherever the state is.
 
     The zeros have the dtypes of the inner optimizer's updates (not of
     `grads`), and the new state is conformed to the old one's avals, so both
@@ -153,14 +152,15 @@ def update_if(
         _orderable(aval) and reads
         for aval, reads in zip(out_avals[n_updates:], readers, strict=True)
     )
-    # A `pred` known at trace time (not a tracer: `skip_when` called without
-    # `skip`, or with a Python bool) indexes the conditional, which XLA then
-    # inlines. A traced one indexes it through `live`: XLA computes `live`
-    # and the index in one kernel, where `pred` would take one more to
-    # convert.
-    static = not isinstance(pred, Tracer)
+    # Indexed through `live`, XLA computes `live` and the index in one
+    # kernel, where `pred` takes one more to convert. That is done where
+    # `pred` varies with the state anyway (`index_by_live`): under `vmap`
+    # with a batched state and an unbatched `pred` (a `skip_when` flag
+    # shared by the batch), `live` is batched and the conditional would
+    # become a select. A `pred` that XLA folds (`skip_when` called without
+    # `skip`) indexes the conditional itself, which XLA then inlines.
     return lax.cond(
-        pred if static and not ordering else live,
+        live if ordering or index_by_live else pred,
         run,
         skip,
         live,

@@ -632,11 +632,17 @@ class MultiSteps(Configured):
                 state.inner_opt_state,
                 clear_grads=True,
                 carry=params,
+                index_by_live=True,
             )
             result = merge_trainable(all_params, new_params)
         else:
             result, inner_state, acc_grads = update_if(
-                emit, inner_update, acc_grads, state.inner_opt_state, clear_grads=True
+                emit,
+                inner_update,
+                acc_grads,
+                state.inner_opt_state,
+                clear_grads=True,
+                index_by_live=True,
             )
             result = restore_none(given, result)
         new_state = optax.MultiStepsState(

@@ -6,9 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.core import Tracer
 
 from ._apply import apply_gradients, merge_trainable
 from ._conditional import check_transformation, update_if
@@ -43,7 +41,7 @@ class _SkipWhen(Configured):
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
-        run = self._run(extra_args)
+        skip = self._skip(extra_args)
         if params is not None:
             params = optimisable(params)
         filled = fill_scalar_gaps(updates, params)
@@ -51,7 +49,9 @@ class _SkipWhen(Configured):
         def inner_update(grads, inner_state):
             return self.inner.update(grads, inner_state, params, **extra_args)
 
-        new_updates, new_state, _ = update_if(run, inner_update, filled, state)
+        new_updates, new_state, _ = update_if(
+            jnp.logical_not(skip), inner_update, filled, state
+        )
         return restore_none(updates, new_updates), new_state
 
     def _apply_gradients(
@@ -63,7 +63,7 @@ class _SkipWhen(Configured):
     ) -> tuple[optax.Params, optax.OptState]:
         """`update` and applying it to `params`, fused: a skipped step
         returns `params` as they came in (see `optax_ext.apply_gradients`)."""
-        run = self._run(extra_args)
+        skip = self._skip(extra_args)
         arrays = trainable(params)
 
         def inner_apply(grads, inner_state, arrays):
@@ -72,26 +72,21 @@ class _SkipWhen(Configured):
             )
 
         new_arrays, new_state, _ = update_if(
-            run, inner_apply, grads, state, carry=arrays
+            jnp.logical_not(skip), inner_apply, grads, state, carry=arrays
         )
         return merge_trainable(params, new_arrays), new_state
 
-    def _run(self, extra_args: dict[str, Any]) -> jax.Array | np.ndarray:
-        """Whether to run `inner`: not the flag, popped from `extra_args`.
-        Without it the step is not skipped: callers that pass no extra
-        arguments (flax's `TrainState.apply_gradients`) run `inner`."""
-        value = extra_args.pop(self.flag, False)
-        # A value known at trace time (a Python bool, a concrete array) is
-        # kept as a NumPy bool: `update_if` then lets XLA inline the
-        # conditional.
-        traced = isinstance(value, Tracer)
-        skip = value if traced else np.asarray(value)
+    def _skip(self, extra_args: dict[str, Any]) -> jax.Array:
+        """Pops the flag from `extra_args`. Without it the step is not
+        skipped: callers that pass no extra arguments (flax's
+        `TrainState.apply_gradients`) run `inner`."""
+        skip = jnp.asarray(extra_args.pop(self.flag, False))
         if skip.dtype != jnp.bool_ or skip.shape != ():
             raise TypeError(
                 f"skip_when: {self.flag} must be a scalar bool, got dtype "
                 f"{skip.dtype} and shape {skip.shape}."
             )
-        return jnp.logical_not(skip) if traced else np.logical_not(skip)
+        return skip
 
 
 def skip_when(

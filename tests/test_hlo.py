@@ -163,10 +163,10 @@ def test_only_state_read_before_its_write_gets_a_dependency():
     # update and doubled the temporary memory of MultiSteps(skip_when)).
     # Its state is the inner state: skip_when adds no leaf.
     # Lion's new `mu` is ordered after its updates by the skip_when already
-    # (a data dependency on them): nothing is added outside. The skip_when's
-    # conditional is indexed by a test of one element of its first state
-    # leaf (a runtime `True`): read before either branch runs, that orders
-    # nothing, whether the leaf is a count or SGD's momentum trace.
+    # (a data dependency on them): nothing is added outside. The ordering's
+    # own conditional (the token) is indexed by `live`, which tests one
+    # element of the first state leaf: read before either branch runs, that
+    # orders nothing, whether the leaf is a count or SGD's momentum trace.
     assert readers(_skipping(optax.lion(1e-4))) == [()] * (1 + n)
     assert readers(_skipping(optax.adam(1e-3))) == [()] * (1 + 2 * n)
     assert readers(_skipping(optax.sgd(1e-3, momentum=0.9))) == [()] * n
@@ -448,3 +448,27 @@ def test_skip_when_flag_known_at_trace_time_leaves_no_conditional(flag):
         if re.match(r"\s*(ROOT )?%\S+ = .*? [a-z][\w-]*\(", line)
     ]
     assert opcodes.count("conditional") == (flag == "traced")
+
+
+def test_skip_when_under_vmap_with_a_shared_flag_keeps_its_conditional():
+    """vmap over a batch of models (params, state and grads batched) with
+    one skip flag for the whole batch: the conditional stays one, so a
+    skipped step runs no inner update. (Indexed by `live`, which tests an
+    element of the batched state, it became a select that ran both
+    branches.)"""
+    tx = optax_ext.skip_when(optax.adam(1e-3))
+    batch = jax.tree.map(lambda x: jnp.stack([x, x + 1.0]), PARAMS)
+    state = jax.vmap(tx.init)(batch)
+
+    def train_step(params, state, grads, skip):
+        updates, state = tx.update(grads, state, params, skip=skip)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.vmap(train_step, in_axes=(0, 0, 0, None))
+    text = jax.jit(step).lower(batch, state, batch, jnp.asarray(False)).compile()
+    opcodes = [
+        _opcode(line.strip())
+        for line in text.as_text().splitlines()
+        if re.match(r"\s*(ROOT )?%\S+ = .*? [a-z][\w-]*\(", line)
+    ]
+    assert opcodes.count("conditional") == 1
