@@ -320,7 +320,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     saved = {"machine": machine(), "cases": results}
     (RESULTS / "compile_time.json").write_text(json.dumps(saved, indent=1))
-    print(write_table(results, sizes, RESULTS / "compile_time.md"))
+    print(write_table(results, sizes, RESULTS / "compile_time.md", saved["machine"]))
 
 
 if __name__ == "__main__":
