@@ -90,3 +90,23 @@ def test_mini_step_runs_no_inner_optimizer(inner, form, layout):
     comps = hlo_computations(compiled.as_text())
     per_leaf = 2 if form == "update" else 1
     assert len(_array_fusions(comps["ENTRY"], params)) == per_leaf * len(params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("inner", INNER)
+def test_fused_step_needs_no_more_temporary_memory_than_the_drop_in_step(inner, dtype):
+    """`apply_gradients` with `MultiSteps` (4 leaves of (256, 128)) needs no
+    more temporary memory than the drop-in step (`update` +
+    `apply_updates`), which writes an updates tree on top. Calling the
+    inner step as a nested `jit` in the running branch (not inlined into
+    the trace) made XLA schedule fused Adafactor in bfloat16 one pass over
+    every leaf at a time: 1.31 MB against the drop-in step's 0.92 (and 1.9
+    times slower with leaves of (1000, 500))."""
+    params = {f"w{i}": jnp.zeros((256, 128), dtype) for i in range(4)}
+    ms = optax_ext.MultiSteps(INNER[inner](), 4)
+    fused = _compile(ms, "apply_gradients", params).memory_analysis()
+    drop_in = _compile(ms, "update", params).memory_analysis()
+    assert fused.temp_size_in_bytes <= drop_in.temp_size_in_bytes, (
+        fused.temp_size_in_bytes,
+        drop_in.temp_size_in_bytes,
+    )
