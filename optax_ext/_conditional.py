@@ -303,9 +303,8 @@ def _flow(
     depends on in some branch and on its index (less the bits that the
     conditional's own outputs clear: those leaves are written after the
     index is read), and an adjusted output is adjusted where its branch
-    defines it.
-    Any other equation with inner jaxprs (loops) passes every input's mask
-    to every output."""
+    defines it. Any other equation with inner jaxprs (loops) passes every
+    input's mask to every output."""
     env: dict[Any, int] = {}
     defined: dict[Any, int] = {}
 

@@ -112,8 +112,8 @@ def saturating_increment(x: jax.Array) -> jax.Array:
     """`x + 1`, staying at the dtype's maximum instead of wrapping around."""
     x = jnp.asarray(x)
     top = jnp.iinfo(x.dtype).max
-    # The same expression as `optax.safe_increment`, so that XLA computes
-    # this count and the inner optimizer's in one kernel.
+    # The same expression as `optax.safe_increment`: XLA compiles one
+    # kernel for this count and the inner optimizer's.
     return jnp.where(x < top, x + 1, jnp.asarray(top, x.dtype)).astype(x.dtype)
 
 
