@@ -55,6 +55,17 @@ def _opcode(instruction: str) -> str:
     return re.match(r"(?:ROOT )?%\S+ = .*? ([a-z][\w-]*)\(", instruction).group(1)
 
 
+def _opcodes(compiled) -> list[str]:
+    """The opcode of every instruction of a compiled module, all
+    computations together."""
+    return [
+        _opcode(line)
+        for lines in hlo_computations(compiled.as_text()).values()
+        for line in lines
+        if re.match(r"(?:ROOT )?%\S+ = .*? [a-z][\w-]*\(", line)
+    ]
+
+
 def _size(instruction: str) -> int:
     """The number of elements of an instruction's (array) result."""
     dims = re.match(r"(?:ROOT )?%\S+ = \w+\[([\d,]*)\]", instruction).group(1)
@@ -442,13 +453,8 @@ def test_skip_when_flag_known_at_trace_time_leaves_no_conditional(flag):
         return optax.apply_updates(params, updates), state
 
     fn = jax.jit(train_step, donate_argnums=(0, 1))
-    text = fn.lower(PARAMS, tx.init(PARAMS), GRADS, jnp.asarray(False)).compile()
-    opcodes = [
-        _opcode(line.strip())
-        for line in text.as_text().splitlines()
-        if re.match(r"\s*(ROOT )?%\S+ = .*? [a-z][\w-]*\(", line)
-    ]
-    assert opcodes.count("conditional") == (flag == "traced")
+    compiled = fn.lower(PARAMS, tx.init(PARAMS), GRADS, jnp.asarray(False)).compile()
+    assert _opcodes(compiled).count("conditional") == (flag == "traced")
 
 
 def test_skip_when_under_vmap_with_a_shared_flag_keeps_its_conditional():
@@ -466,13 +472,8 @@ def test_skip_when_under_vmap_with_a_shared_flag_keeps_its_conditional():
         return optax.apply_updates(params, updates), state
 
     step = jax.vmap(train_step, in_axes=(0, 0, 0, None))
-    text = jax.jit(step).lower(batch, state, batch, jnp.asarray(False)).compile()
-    opcodes = [
-        _opcode(line.strip())
-        for line in text.as_text().splitlines()
-        if re.match(r"\s*(ROOT )?%\S+ = .*? [a-z][\w-]*\(", line)
-    ]
-    assert opcodes.count("conditional") == 1
+    compiled = jax.jit(step).lower(batch, state, batch, jnp.asarray(False)).compile()
+    assert _opcodes(compiled).count("conditional") == 1
 
 
 def _gated_momentum(lr=1e-2):
