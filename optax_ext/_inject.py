@@ -32,6 +32,7 @@ from ._tree import (
     optimisable,
     restore_none,
     saturating_increment,
+    strong_scalars,
 )
 
 _STATIC, _NUMERIC, _SCHEDULE, _STATEFUL = "static", "numeric", "schedule", "stateful"
@@ -554,7 +555,7 @@ class _Injection(Configured):
         )
 
     def init(self, params: Any) -> optax.InjectStatefulHyperparamsState:
-        params = optimisable(params)
+        params = strong_scalars(optimisable(params))
         self._check_masks(params)
         schedule_states = {n: s.init() for n, s in self.schedules.items()}
         stored, handed = self._hyperparams(
@@ -581,8 +582,9 @@ class _Injection(Configured):
                 f"{describe_value(state)}."
             )
         self._check_names(state.hyperparams)
+        filled = fill_scalar_gaps(updates, params)
         if params is not None:
-            params = optimisable(params)
+            params = strong_scalars(optimisable(params))
         stored, handed = self._hyperparams(
             state.hyperparams,
             state.hyperparams_states,
@@ -594,7 +596,7 @@ class _Injection(Configured):
             for n, s in self.schedules.items()
         }
         new_updates, inner_state = self._build(handed).update(
-            fill_scalar_gaps(updates, params), state.inner_state, params, **extra_args
+            filled, state.inner_state, params, **extra_args
         )
         count = saturating_increment(state.count)
         return restore_none(updates, new_updates), optax.InjectStatefulHyperparamsState(

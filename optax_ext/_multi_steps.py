@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jaxtyping import Array, Bool, PyTree
@@ -63,37 +64,38 @@ def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
 
 def _check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
     """The window length from `every_k_schedule`: a scalar int, or a float
-    holding a whole number (as optax accepts). A concrete value must be a
-    whole number from 1 to 2**31 - 1; a traced one is handled by
-    `_window_complete`."""
-    if isinstance(k, int) and not isinstance(k, bool) and not 1 <= k <= _INT32_MAX:
-        raise ValueError(
-            f"every_k_schedule returned {k}; a window is a whole number of "
-            "mini-steps from 1 to 2**31 - 1 (the state counts them in int32)."
-        )
-    k = jnp.asarray(k)
-    if k.shape != () or not (
-        jnp.issubdtype(k.dtype, jnp.integer) or jnp.issubdtype(k.dtype, jnp.floating)
-    ):
+    holding a whole number (as optax accepts). A value known while tracing (a
+    Python or NumPy number, a concrete array: a schedule returning a
+    constant) must be a whole number from 1 to 2**31 - 1, under `jit` too; a
+    traced one is handled by `_window_complete`."""
+    try:
+        known = np.asarray(k)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        known = None
+    kind = known if known is not None else jnp.asarray(k)
+    numeric = jnp.issubdtype(kind.dtype, jnp.integer) or jnp.issubdtype(
+        kind.dtype, jnp.floating
+    )
+    if kind.shape != () or not numeric:
         raise TypeError(
             "every_k_schedule must return a scalar int (the number of mini-steps "
-            f"in this window), got dtype {k.dtype} and shape {k.shape}."
+            f"in this window), got {describe_value(k)}."
         )
-    try:
-        concrete = float(k)
-    except jax.errors.ConcretizationTypeError:
-        return k  # traced under jit: see `_window_complete`
-    try:
-        at = f" at gradient step {int(gradient_step)}"
-    except jax.errors.ConcretizationTypeError:
-        at = ""
-    if not 1 <= concrete <= _INT32_MAX or concrete != int(concrete):
+    if known is None:
+        return jnp.asarray(k)  # traced under jit: see `_window_complete`
+    value = known.item()
+    if not 1 <= value <= _INT32_MAX or value != int(value):
+        try:
+            at = f" at gradient step {int(gradient_step)}"
+        except jax.errors.ConcretizationTypeError:
+            at = ""
         raise ValueError(
-            f"every_k_schedule returned {concrete:g}{at}; a window is a whole "
-            "number of mini-steps from 1 to 2**31 - 1. Round the schedule's "
-            "output (e.g. `jnp.ceil(k).astype(jnp.int32)`)."
+            f"every_k_schedule returned {value!r}{at}; a window is a whole "
+            "number of mini-steps from 1 to 2**31 - 1 (the state counts them in "
+            "int32). Round the schedule's output (e.g. "
+            "`jnp.ceil(k).astype(jnp.int32)`)."
         )
-    return k
+    return jnp.asarray(k)
 
 
 def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:

@@ -15,6 +15,7 @@ from ._tree import (
     fill_scalar_gaps,
     optimisable,
     restore_none,
+    strong_scalars,
     trainable,
 )
 
@@ -32,7 +33,7 @@ class _SkipWhen(Configured):
         self._key = config_key(inner, flag)
 
     def init(self, params: optax.Params) -> optax.OptState:
-        return self.inner.init(optimisable(params))
+        return self.inner.init(strong_scalars(optimisable(params)))
 
     def update(
         self,
@@ -42,9 +43,9 @@ class _SkipWhen(Configured):
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
         skip = self._skip(extra_args)
-        if params is not None:
-            params = optimisable(params)
         filled = fill_scalar_gaps(updates, params)
+        if params is not None:
+            params = strong_scalars(optimisable(params))
 
         def inner_update(grads, inner_state):
             return self.inner.update(grads, inner_state, params, **extra_args)

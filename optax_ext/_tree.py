@@ -213,24 +213,56 @@ def optimisable(tree: PyTree) -> PyTree:
     )
 
 
-def fill_scalar_gaps(updates: PyTree, params: PyTree) -> PyTree:
-    """`updates` with a zero where it holds `None` and `params` a Python scalar.
+def _weakly_typed(x: Any) -> bool:
+    """A Python `float` or `complex`, or a weakly typed floating array (what
+    `jax.jit` makes of a Python float in its arguments)."""
+    return is_python_scalar(x) or (
+        eqx.is_inexact_array(x) and bool(getattr(x, "weak_type", False))
+    )
 
-    `optimisable` gives such a param a state entry (as optax does), but
-    `eqx.filter_grad` gives it a `None` gradient (an Equinox model's `float`
-    field). The zero keeps the trees the inner optimizer maps over aligned;
-    the caller puts the `None` back with `restore_none`. Trees that do not
-    line up are returned unchanged, for the inner optimizer to judge.
+
+def _strong(x: Any) -> jax.Array:
+    return lax.convert_element_type(x, jnp.result_type(x))
+
+
+def strong_scalars(tree: PyTree) -> PyTree:
+    """`tree` (as given by `optimisable`) with each weakly typed leaf (see
+    `_weakly_typed`) made a strongly typed array of its dtype.
+
+    The inner optimizer's state for such a leaf is then strongly typed from
+    `init` on. Built from the Python number itself, a moment is weakly typed
+    at `init` and comes back strong from `update` (`optax.adam`'s second
+    moment does), so a jitted train step holding it compiles twice (an
+    Equinox model's `Dropout.p`). The values are the same either way: the
+    leaf's own arithmetic is in its dtype.
+    """
+    return jax.tree.map(lambda x: _strong(x) if _weakly_typed(x) else x, tree)
+
+
+def fill_scalar_gaps(updates: PyTree, params: PyTree) -> PyTree:
+    """`updates` aligned with `strong_scalars(optimisable(params))`, for
+    `params` as the caller was given them.
+
+    Where `params` holds a Python scalar (or a weakly typed array) the update
+    is made a strongly typed array, as the param is: a zero where it is
+    `None`. `optimisable` gives such a param a state entry (as optax does),
+    but `eqx.filter_grad` gives it a `None` gradient (an Equinox model's
+    `float` field). The zero keeps the trees the inner optimizer maps over
+    aligned; the caller puts the `None` back with `restore_none`. Trees that
+    do not line up are returned unchanged, for the inner optimizer to judge.
     """
     if params is None:
         return updates
+
+    def fill(u: Any, p: Any) -> Any:
+        if not _weakly_typed(p):
+            return u
+        if u is None:
+            return jnp.zeros(jnp.shape(p), jnp.result_type(p))
+        return _strong(u) if _weakly_typed(u) else u
+
     try:
-        return jax.tree.map(
-            lambda u, p: jnp.zeros_like(p) if u is None and is_python_scalar(p) else u,
-            updates,
-            params,
-            is_leaf=_is_none,
-        )
+        return jax.tree.map(fill, updates, params, is_leaf=_is_none)
     except (ValueError, TypeError):
         return updates
 

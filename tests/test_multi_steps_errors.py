@@ -53,6 +53,19 @@ def test_non_integer_schedule_output_is_an_error_eagerly(k):
         opt.update(jnp.ones(2), state)
 
 
+@pytest.mark.parametrize(
+    "k", [0.0, 2.5, float("nan"), 0, -2, 2**31, np.float32(2.5), np.int64(0)]
+)
+def test_constant_schedule_output_is_checked_under_jit(k):
+    """A schedule returning a constant is checked in the jitted step too: under
+    `jit` a Python 2.5 was taken for a traced value and rounded up to 3, and
+    0.0 or NaN never emitted, silently. The error comes while tracing."""
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=lambda step: k)
+    state = opt.init(jnp.zeros(2))
+    with pytest.raises(ValueError, match=r"every_k_schedule returned"):
+        jax.jit(opt.update)(jnp.ones(2), state)
+
+
 def test_integral_float_schedule_output_is_accepted():
     """optax accepts a float k holding a whole number; so do we."""
     opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=lambda step: 2.0)

@@ -228,3 +228,64 @@ def test_equinox_float_field_without_gradient(wrap):
     want, _ = jax.jit(bare.update)(g, bare.init(p), p)
     assert u.w.dtype == want["w"].dtype
     np.testing.assert_array_max_ulp(np.asarray(u.w), np.asarray(want["w"]), maxulp=1)
+
+
+@pytest.mark.parametrize("wrap", ["skip_when", "inject_hyperparams"])
+@pytest.mark.parametrize("form", ["equinox", "jax.jit"])
+def test_python_float_param_state_keeps_its_avals(wrap, form):
+    """A Python float leaf (an Equinox model's `Dropout.p`; under `jax.jit` a
+    weakly typed tracer) gets state that update returns with init's avals,
+    so the jitted train step compiles once. Built from the number itself,
+    adam's second moment was weak at init and strong after update: two
+    compiles. Reference for the values: adam on the same leaves as strongly
+    typed float32 arrays."""
+    import equinox as eqx
+
+    class Model(eqx.Module):
+        w: jax.Array
+        p: float
+
+    opt, bare = _wrapped_adam_and_reference(wrap)
+    traces = 0
+    if form == "equinox":
+        params = Model(jnp.array([1.0, -2.0]), 0.5)
+
+        @eqx.filter_jit
+        def step(params, state):
+            nonlocal traces
+            traces += 1
+            grads = eqx.filter_grad(lambda m: jnp.sum(m.w**2) * 3.0)(params)
+            u, state = opt.update(grads, state, params)
+            return eqx.apply_updates(params, u), state, u
+
+    else:
+        params = {"w": jnp.array([1.0, -2.0]), "p": 0.5}
+
+        @jax.jit
+        def step(params, state):
+            nonlocal traces
+            traces += 1
+            grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2) * p["p"] * 6.0)(params)
+            u, state = opt.update(grads, state, params)
+            return params, state, u  # params kept: their weak type is the user's
+
+    state = opt.init(params)
+    ref_params = {"w": jnp.array([1.0, -2.0]), "p": jnp.float32(0.5)}
+    ref_state = bare.init(ref_params)
+    for _ in range(3):
+        params, new_state, u = step(params, state)
+        assert avals(new_state) == avals(state)
+        state = new_state
+        ref_grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2) * p["p"] * 6.0)(ref_params)
+        if form == "equinox":
+            ref_grads["p"] = jnp.zeros((), jnp.float32)
+        want, ref_state = jax.jit(bare.update)(ref_grads, ref_state, ref_params)
+        got_w = u.w if form == "equinox" else u["w"]
+        # Compiled apart, the steps may round an ulp apart, and the params
+        # carry it into the next gradients.
+        np.testing.assert_allclose(got_w, want["w"], rtol=1e-6)
+        ref_params = {"w": ref_params["w"] + want["w"], "p": ref_params["p"]}
+        if form == "jax.jit":
+            params = {"w": params["w"] + u["w"], "p": 0.5}
+            np.testing.assert_allclose(u["p"], want["p"], rtol=1e-6)
+    assert traces == 1
