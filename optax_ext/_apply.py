@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PyTree
 
+from ._conditional import check_transformation
 from ._static import Configured, Method
 
 
@@ -66,15 +67,16 @@ def apply_gradients(
     """One optimizer step applied to `params`: `optimizer.update` followed by
     `optax.apply_updates`, in one call.
 
-    For any optimizer the result equals
+    For any optimizer the result is that of
 
         updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)
         params = optax.apply_updates(params, updates)
 
-    (same arithmetic and dtypes). `params` may be a whole Equinox model: a
-    leaf whose gradient is `None` (what `eqx.filter_grad` gives for leaves
-    that are not floating arrays) is kept as it is, as `eqx.apply_updates`
-    does.
+    with the same operations and dtypes; XLA compiles the one call apart from
+    the two, so a float result may differ from theirs in the last bit (an
+    ulp). `params` may be a whole Equinox model: a leaf whose gradient is
+    `None` (what `eqx.filter_grad` gives for leaves that are not floating
+    arrays) is kept as it is, as `eqx.apply_updates` does.
 
     For `optax_ext.MultiSteps` (and its `gradient_transformation()`) and
     `optax_ext.skip_when`, nested in each other to any depth, the step is
@@ -111,6 +113,7 @@ def apply_gradients(
         return optax_ext.apply_gradients(opt, grads, opt_state, params)
     ```
     """
+    check_transformation(optimizer, "optax_ext.apply_gradients: optimizer")
     owner = _fused(optimizer, params)
     if owner is not None:
         return owner._apply_gradients(grads, opt_state, params, **extra_args)

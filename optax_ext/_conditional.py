@@ -22,9 +22,15 @@ def check_transformation(value: Any, name: str) -> None:
         callable(getattr(value, "init", None))
         and callable(getattr(value, "update", None))
     ):
+        hint = (
+            " A factory such as `optax.adam` must be called to build one: "
+            "`optax.adam(1e-3)`."
+            if callable(value)
+            else ""
+        )
         raise TypeError(
             f"{name} must be an optax.GradientTransformation (with `init` and "
-            f"`update`), got {value!r} of type {type(value).__name__}."
+            f"`update`), got {value!r} of type {type(value).__name__}.{hint}"
         )
 
 

@@ -26,6 +26,7 @@ from ._static import ConfigKey, Configured, config_key
 from ._tree import (
     as_weak,
     avals_key,
+    check_updates_fit_params,
     describe_value,
     fill_scalar_gaps,
     is_weak,
@@ -381,7 +382,16 @@ class _Injection(Configured):
     def _storage_dtype(self, name: str, value: jax.Array) -> Any:
         """The dtype a hyperparameter is stored in: `hyperparam_dtype` for a
         floating one if given, else the dtype of the value as given
-        (float32 for a Python float; float64 under x64)."""
+        (float32 for a Python float; float64 under x64). An integer given
+        where the factory's default is a float (`weight_decay=0` for adamw)
+        is a float hyperparameter: stored as a Python float would be."""
+        default = self.signature.parameters[name].default
+        if (
+            isinstance(default, float)
+            and jnp.issubdtype(value.dtype, jnp.integer)
+            and value.dtype != jnp.bool_
+        ):
+            value = jnp.asarray(value, jnp.result_type(float))
         if self.dtype is not None and jnp.issubdtype(value.dtype, jnp.floating):
             return self.dtype
         return value.dtype
@@ -396,10 +406,10 @@ class _Injection(Configured):
         ):
             raise _ArgumentError(
                 f"{where} holds {describe_value(array)}, but {name} is a "
-                f"{dtype} hyperparameter (fixed by the value given to "
+                f"hyperparameter of dtype {dtype} (fixed by the value given to "
                 f"{self._name}: {self.arguments[name]!r}); casting would change "
-                f"the value. Write a {dtype} value, or build the optimizer with "
-                f"{name} given as a value of the dtype you need."
+                f"the value. Write a value of dtype {dtype}, or build the "
+                f"optimizer with {name} given as a value of the dtype you need."
             )
         return jnp.asarray(array, dtype)  # strong: no weak type to lose
 
@@ -533,6 +543,16 @@ class _Injection(Configured):
         written_untraceable = sorted(set(hyperparams) & self.untraceable)
         if not (unknown or written_untraceable):
             return
+        injected = (set(self.numeric) - self.untraceable) | set(self.schedules)
+        missing = sorted(injected - set(hyperparams))
+        if unknown and missing:
+            raise TypeError(
+                f"inject_hyperparams({self._name}).update's `state` was not "
+                f"built by this optimizer: its hyperparams are "
+                f"{sorted(hyperparams)}, where this optimizer injects "
+                f"{sorted(injected)}. Pass the state that this optimizer's "
+                "init returned (not one built by another optimizer)."
+            )
         static = sorted(set(self.passed) & set(unknown))
         raise KeyError(
             f"state.hyperparams holds {unknown or written_untraceable}, which "
@@ -582,9 +602,12 @@ class _Injection(Configured):
                 f"{describe_value(state)}."
             )
         self._check_names(state.hyperparams)
+        kept = None if params is None else optimisable(params)
+        check_updates_fit_params(
+            updates, kept, f"inject_hyperparams({self._name}).update"
+        )
         filled = fill_scalar_gaps(updates, params)
-        if params is not None:
-            params = strong_scalars(optimisable(params))
+        params = None if kept is None else strong_scalars(kept)
         stored, handed = self._hyperparams(
             state.hyperparams,
             state.hyperparams_states,

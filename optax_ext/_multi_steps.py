@@ -33,6 +33,7 @@ from ._tree import (
     check_accumulator_dtype,
     check_same_shapes,
     check_same_structure,
+    check_state_structure,
     describe_value,
     fill_untrained_gaps,
     restore_none,
@@ -362,39 +363,6 @@ def _check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None
         )
 
 
-def _check_inner_state(
-    init: Callable, inner_state: PyTree, acc: PyTree, known: dict
-) -> None:
-    """Raises a `TypeError` if the state's inner state is not shaped like
-    this inner optimizer's (another optimizer's state was passed).
-
-    `known` maps `avals_key` of an init's params to the structure of the
-    state it built (`MultiSteps.init` records its own), so the inner init
-    is traced again only for params it has not seen (an Adam init is
-    cheap; an injected one traces its factory)."""
-    key = avals_key(acc)
-    if key is not None and key in known:
-        expected = known[key]
-    else:
-        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), acc)
-        try:
-            expected = jax.tree.structure(jax.eval_shape(init, shapes))
-        except Exception:  # noqa: BLE001 - an init that needs real params
-            expected = None  # no check
-        if key is not None:
-            known[key] = expected
-    if expected is None:
-        return
-    got = jax.tree.structure(inner_state)
-    if got != expected:
-        raise TypeError(
-            "MultiSteps.update's `state.inner_opt_state` does not have the "
-            f"structure of the inner optimizer's state: got {got}, expected "
-            f"{expected}. Pass the state that this MultiSteps' init returned "
-            "(not one built by another optimizer)."
-        )
-
-
 class MultiSteps(Configured):
     """Accumulates gradients over several mini-steps, then applies `opt` once.
 
@@ -476,7 +444,7 @@ class MultiSteps(Configured):
             axis_name,
         )
         self._devices = view(axis_name)
-        # What `_check_inner_state` expects, by the avals of the inner init's
+        # What `check_state_structure` expects, by the avals of the inner init's
         # params; filled by `init`.
         self._inner_structures: dict[tuple, Any] = {}
 
@@ -579,8 +547,14 @@ class MultiSteps(Configured):
         given = updates
         updates = fill_untrained_gaps(updates, params)
         _check_gradients(updates, acc_in, self._accumulator_dtype)
-        _check_inner_state(
-            self._opt.init, state.inner_opt_state, acc_in, self._inner_structures
+        check_state_structure(
+            self._opt.init,
+            state.inner_opt_state,
+            acc_in,
+            self._inner_structures,
+            who="MultiSteps.update",
+            state_name="state.inner_opt_state",
+            owner="MultiSteps",
         )
         devices.check_gradients(updates, acc_in)
         mini_step = jnp.asarray(state.mini_step)

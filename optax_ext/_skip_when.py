@@ -12,6 +12,9 @@ from ._apply import apply_gradients, merge_trainable
 from ._conditional import check_transformation, update_if
 from ._static import Configured, config_key
 from ._tree import (
+    check_state_structure,
+    check_updates_fit_params,
+    describe_value,
     fill_scalar_gaps,
     optimisable,
     restore_none,
@@ -30,6 +33,8 @@ class _SkipWhen(Configured):
         self.inner = optax.with_extra_args_support(inner)
         self._fusable_inner = inner  # as given: see MultiSteps
         self.flag = flag
+        # `check_state_structure`'s record, by the avals of the updates.
+        self._structures: dict = {}
         self._key = config_key(inner, flag)
 
     def init(self, params: optax.Params) -> optax.OptState:
@@ -43,9 +48,11 @@ class _SkipWhen(Configured):
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
         skip = self._skip(extra_args)
+        kept = None if params is None else optimisable(params)
+        check_updates_fit_params(updates, kept, "skip_when.update")
         filled = fill_scalar_gaps(updates, params)
-        if params is not None:
-            params = strong_scalars(optimisable(params))
+        self._check_state(state, filled, "skip_when.update")
+        params = None if kept is None else strong_scalars(kept)
 
         def inner_update(grads, inner_state):
             return self.inner.update(grads, inner_state, params, **extra_args)
@@ -65,6 +72,12 @@ class _SkipWhen(Configured):
         """`update` and applying it to `params`, fused: a skipped step
         returns `params` as they came in (see `optax_ext.apply_gradients`)."""
         skip = self._skip(extra_args)
+        check_updates_fit_params(
+            grads, optimisable(params), "optax_ext.apply_gradients"
+        )
+        self._check_state(
+            state, fill_scalar_gaps(grads, params), "optax_ext.apply_gradients"
+        )
         arrays = trainable(params)
 
         def inner_apply(grads, inner_state, arrays):
@@ -77,15 +90,30 @@ class _SkipWhen(Configured):
         )
         return merge_trainable(params, new_arrays), new_state
 
+    def _check_state(self, state: Any, template: Any, who: str) -> None:
+        check_state_structure(
+            self.inner.init,
+            state,
+            template,
+            self._structures,
+            who=who,
+            state_name="opt_state" if "apply" in who else "state",
+            owner="skip_when",
+        )
+
     def _skip(self, extra_args: dict[str, Any]) -> jax.Array:
         """Pops the flag from `extra_args`. Without it the step is not
         skipped: callers that pass no extra arguments (flax's
         `TrainState.apply_gradients`) run `inner`."""
-        skip = jnp.asarray(extra_args.pop(self.flag, False))
-        if skip.dtype != jnp.bool_ or skip.shape != ():
+        given = extra_args.pop(self.flag, False)
+        try:
+            skip = jnp.asarray(given)
+        except TypeError:
+            skip = None
+        if skip is None or skip.dtype != jnp.bool_ or skip.shape != ():
             raise TypeError(
-                f"skip_when: {self.flag} must be a scalar bool, got dtype "
-                f"{skip.dtype} and shape {skip.shape}."
+                f"skip_when: {self.flag} must be a scalar bool (True skips the "
+                f"step), got {describe_value(given)}."
             )
         return skip
 
@@ -104,8 +132,11 @@ def skip_when(
     forwarded to `inner` like any other extra argument, and does not skip.
     On a skipped step the updates are exact zeros in the inner updates' dtype
     and the inner state is returned untouched; on other steps `inner` runs
-    as usual. The state is `inner`'s own, so wrapping changes no checkpoint.
-    As in optax, Python `float` leaves of the params are optimised.
+    as usual. The state is `inner`'s own, so wrapping changes no checkpoint,
+    for params of floating arrays. As in optax, Python `float` leaves of the
+    params are optimised (their state strongly typed from `init` on); integer
+    and bool arrays are not: they hold `None` in the state, where `inner`'s
+    own state may hold a moment for them.
 
     Compared with `optax.transforms.conditionally_mask(inner, fn,
     forward_extra_args=True)`: its zeros take the dtype of the incoming

@@ -29,8 +29,15 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
+class _NoUpdate:
+    """Stands for a `None` update where only the containers are compared."""
+
+
+_NO_UPDATE = _NoUpdate()
+
+
 def _describe(leaf: Any) -> str:
-    if leaf is None:
+    if leaf is None or leaf is _NO_UPDATE:
         return "None"
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return f"an array of shape {tuple(leaf.shape)} and dtype {leaf.dtype}"
@@ -237,6 +244,77 @@ def strong_scalars(tree: PyTree) -> PyTree:
     leaf's own arithmetic is in its dtype.
     """
     return jax.tree.map(lambda x: _strong(x) if _weakly_typed(x) else x, tree)
+
+
+def check_updates_fit_params(updates: PyTree, kept: PyTree, who: str) -> None:
+    """Raises a `ValueError` naming the first path where `updates` do not have
+    the tree of the params, given as `kept = optimisable(params)` (a `None`
+    update may stand for any param leaf, as `eqx.filter_grad` gives)."""
+    if kept is None:
+        return
+
+    def flat(tree: PyTree) -> PyTree:
+        # `None` (no gradient) fits any param leaf: compare containers only.
+        return jax.tree.map(
+            lambda x: _NO_UPDATE if x is None else x, tree, is_leaf=_is_none
+        )
+
+    updates_def = jax.tree.structure(updates, is_leaf=_is_none)
+    params_def = jax.tree.structure(kept, is_leaf=_is_none)
+    if updates_def == params_def:
+        return
+    try:
+        check_same_structure(
+            flat(kept),
+            flat(updates),
+            expected_name="the params",
+            got_name="the updates",
+        )
+    except ValueError as error:
+        raise ValueError(f"{who}: {error}") from None
+
+
+def check_state_structure(
+    init: Any,
+    state: PyTree,
+    template: PyTree,
+    known: dict,
+    *,
+    who: str,
+    state_name: str,
+    owner: str,
+) -> None:
+    """Raises a `TypeError` if `state` is not shaped like what `init` builds
+    from params shaped like `template` (another optimizer's state was
+    passed).
+
+    `known` maps `avals_key` of an init's params to the structure of the
+    state it built (an `init` may record its own), so `init` is traced again
+    only for params it has not seen (an Adam init is cheap; an injected one
+    traces its factory)."""
+    key = avals_key(template)
+    if key is not None and key in known:
+        expected = known[key]
+    else:
+        shapes = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), template
+        )
+        try:
+            expected = jax.tree.structure(jax.eval_shape(init, shapes))
+        except Exception:  # noqa: BLE001 - an init that needs real params
+            expected = None  # no check
+        if key is not None:
+            known[key] = expected
+    if expected is None:
+        return
+    got = jax.tree.structure(state)
+    if got != expected:
+        raise TypeError(
+            f"{who}'s `{state_name}` does not have the structure of the inner "
+            f"optimizer's state: got {got}, expected {expected}. Pass the "
+            f"state that this {owner}'s init returned (not one "
+            "built by another optimizer)."
+        )
 
 
 def fill_scalar_gaps(updates: PyTree, params: PyTree) -> PyTree:

@@ -169,3 +169,51 @@ def test_strings_the_factory_takes_are_passed_through():
         learning_rate=1e-2, preconditioning="spectral"
     )
     opt.init({"w": jnp.ones((3, 3))})
+
+
+def test_state_of_another_injected_optimizer():
+    """The state of `inject_hyperparams(sgd)` given to `inject_hyperparams(adam)`
+    was reported as names written into `state.hyperparams`."""
+    opt = optax_ext.inject_hyperparams(optax.adam)(learning_rate=0.1)
+    other = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
+    with pytest.raises(
+        TypeError,
+        match=r"inject_hyperparams\(adam\)\.update's `state` was not built by "
+        r"this optimizer: its hyperparams are \['learning_rate', 'momentum'\]",
+    ):
+        opt.update(G, other.init(P), P)
+
+
+def test_updates_that_do_not_fit_the_params():
+    params = {"w": jnp.ones(3), "b": jnp.ones(2)}
+    opt = optax_ext.inject_hyperparams(optax.adam)(learning_rate=0.1)
+    with pytest.raises(
+        ValueError,
+        match=r"inject_hyperparams\(adam\)\.update: The tree of the updates does "
+        r"not match the params: the updates have nothing at \['b'\]",
+    ):
+        opt.update({"w": jnp.ones(3)}, opt.init(params), params)
+
+
+def test_integer_given_where_the_default_is_a_float_is_a_float():
+    """`weight_decay=0` (adamw's default is 1e-4) is stored as float32, so a
+    float written there later is taken, as optax takes it. Reference: adamw
+    built with the written value, each number rounded to float32 as the
+    stored hyperparameters are."""
+    opt = optax_ext.inject_hyperparams(optax.adamw)(learning_rate=0.1, weight_decay=0)
+    state = opt.init(P)
+    assert state.hyperparams["weight_decay"].dtype == jnp.float32
+    state.hyperparams["weight_decay"] = jnp.float32(0.5)
+    u, _ = jax.jit(opt.update)(G, state, P)
+
+    def f32(x):
+        return float(np.float32(x))
+
+    bare = optax.adamw(
+        f32(0.1), b1=f32(0.9), b2=f32(0.999), eps=f32(1e-8), weight_decay=0.5
+    )
+    want, _ = jax.jit(bare.update)(G, bare.init(P), P)
+    jax.tree.map(np.testing.assert_array_equal, u, want)
+    # learning_rate has no default: an int stays an int hyperparameter.
+    state = optax_ext.inject_hyperparams(optax.adamw)(learning_rate=1).init(P)
+    assert state.hyperparams["learning_rate"].dtype == jnp.int32

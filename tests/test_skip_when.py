@@ -289,3 +289,51 @@ def test_python_float_param_state_keeps_its_avals(wrap, form):
             params = {"w": params["w"] + u["w"], "p": 0.5}
             np.testing.assert_allclose(u["p"], want["p"], rtol=1e-6)
     assert traces == 1
+
+
+P3 = {"w": jnp.ones(3)}
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (
+            lambda sw: sw.update(P3, optax.sgd(0.1, momentum=0.9).init(P3), P3),
+            TypeError,
+            r"skip_when\.update's `state` does not have the structure of the inner "
+            r"optimizer's state: got .*TraceState.*expected .*ScaleByAdamState",
+        ),
+        (
+            lambda sw: sw.update(P3, None, P3),
+            TypeError,
+            r"skip_when\.update's `state` does not have the structure",
+        ),
+        (
+            lambda sw: sw.update({"v": jnp.ones(3)}, sw.init(P3), P3),
+            ValueError,
+            r"skip_when\.update: The tree of the updates does not match the "
+            r"params: the updates have nothing at \['w'\]",
+        ),
+        (
+            lambda sw: sw.update(P3, sw.init(P3), P3, skip="yes"),
+            TypeError,
+            r"skip must be a scalar bool \(True skips the step\), got 'yes'",
+        ),
+        (
+            lambda sw: optax_ext.apply_gradients(sw, P3, None, P3),
+            TypeError,
+            r"optax_ext\.apply_gradients's `opt_state` does not have the structure",
+        ),
+        (
+            lambda sw: optax_ext.apply_gradients(optax.adam, P3, None, P3),
+            TypeError,
+            r"optimizer must be an optax\.GradientTransformation.*"
+            r"must be called to build one",
+        ),
+    ],
+)
+def test_bad_input_is_named(call, error, match):
+    """Each of these failed deep inside optax or JAX (AttributeError on
+    `mu`, `len(None)`, a pytree structure error naming no argument)."""
+    with pytest.raises(error, match=match):
+        call(optax_ext.skip_when(optax.adam(0.1)))
