@@ -12,6 +12,7 @@ from ._apply import apply_gradients, merge_trainable
 from ._conditional import check_transformation, update_if
 from ._static import Configured, config_key
 from ._tree import (
+    avals_key,
     check_state_structure,
     check_updates_fit_params,
     describe_value,
@@ -33,12 +34,19 @@ class _SkipWhen(Configured):
         self.inner = optax.with_extra_args_support(inner)
         self._fusable_inner = inner  # as given: see MultiSteps
         self.flag = flag
-        # `check_state_structure`'s record, by the avals of the updates.
+        # `check_state_structure`'s record, by the avals of the updates;
+        # `init` records its own, so an update of params it has seen traces
+        # no second init.
         self._structures: dict = {}
         self._key = config_key(inner, flag)
 
     def init(self, params: optax.Params) -> optax.OptState:
-        return self.inner.init(strong_scalars(optimisable(params)))
+        params = strong_scalars(optimisable(params))
+        state = self.inner.init(params)
+        key = avals_key(params)
+        if key is not None:
+            self._structures[key] = jax.tree.structure(state)
+        return state
 
     def update(
         self,
