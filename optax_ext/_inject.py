@@ -249,8 +249,11 @@ def inject_hyperparams(
     non-floating `hyperparam_dtype` (at construction); a factory that does not
     return a transformation, a schedule whose value is not a scalar number, a
     mask that does not fit the params (at `init`); a name written into
-    `state.hyperparams` that is not injected, or a float written into an
-    integer hyperparameter (at `update`, while tracing).
+    `state.hyperparams` that is not injected (a `KeyError`), a float written
+    into an integer hyperparameter, a state built by another optimizer (a
+    `TypeError`), updates whose tree does not fit the params passed with
+    them (a `ValueError`, even for a factory that does not read the params:
+    optax's contract is one structure) (at `update`, while tracing).
 
     **Arguments:**
 
@@ -384,19 +387,27 @@ class _Injection(Configured):
     def _storage_dtype(self, name: str, value: jax.Array) -> Any:
         """The dtype a hyperparameter is stored in: `hyperparam_dtype` for a
         floating one if given, else the dtype of the value as given
-        (float32 for a Python float; float64 under x64). An integer given
-        where the factory's default is a float (`weight_decay=0` for adamw)
-        is a float hyperparameter: stored as a Python float would be."""
+        (float32 for a Python float; float64 under x64)."""
+        if self.dtype is not None and jnp.issubdtype(value.dtype, jnp.floating):
+            return self.dtype
+        return value.dtype
+
+    def _as_given(self, name: str, given: Any) -> jax.Array:
+        """A number given to the wrapped factory, as an array. An integer
+        given where the factory's default is a float (`weight_decay=0` for
+        adamw) is a float hyperparameter, as a Python float would be, where
+        that float holds it exactly."""
+        value = jnp.asarray(given)
         default = self.signature.parameters[name].default
         if (
             isinstance(default, float)
             and jnp.issubdtype(value.dtype, jnp.integer)
             and value.dtype != jnp.bool_
         ):
-            value = jnp.asarray(value, jnp.result_type(float))
-        if self.dtype is not None and jnp.issubdtype(value.dtype, jnp.floating):
-            return self.dtype
-        return value.dtype
+            as_float = np.asarray(given, jnp.result_type(float))
+            if as_float == np.asarray(given):
+                return jnp.asarray(as_float)
+        return value
 
     def _store(self, name: str, value: Any, dtype: Any, where: str) -> jax.Array:
         """`value` as a strongly typed array of `dtype`; a cast to another
@@ -465,7 +476,7 @@ class _Injection(Configured):
         for n, given in self.numeric.items():
             if n not in numeric:
                 continue
-            dtype = self._storage_dtype(n, jnp.asarray(given))
+            dtype = self._storage_dtype(n, self._as_given(n, given))
             stored[n] = self._store(n, numeric[n], dtype, f"{where}[{n!r}]")
             handed[n] = self._hand(n, stored[n], n in self.weak)
         for n, schedule in self.schedules.items():

@@ -66,9 +66,10 @@ def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
 def _check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
     """The window length from `every_k_schedule`: a scalar int, or a float
     holding a whole number (as optax accepts). A value known while tracing (a
-    Python or NumPy number, a concrete array: a schedule returning a
-    constant) must be a whole number from 1 to 2**31 - 1, under `jit` too; a
-    traced one is handled by `_window_complete`."""
+    Python or NumPy number, or a JAX array made outside the trace) must be a
+    whole number from 1 to 2**31 - 1, under `jit` too; a traced one (under
+    `jit` that includes a `jnp` constant made inside the schedule) is
+    handled by `_window_complete`."""
     try:
         known = np.asarray(k)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):

@@ -59,8 +59,12 @@ class _SkipWhen(Configured):
         kept = None if params is None else optimisable(params)
         check_updates_fit_params(updates, kept, "skip_when.update")
         filled = fill_scalar_gaps(updates, params)
-        self._check_state(state, filled, "skip_when.update")
         params = None if kept is None else strong_scalars(kept)
+        # What init built the state from: the params where given (then a
+        # state that does not fit is the state's fault, not the updates').
+        self._check_state(
+            state, filled if params is None else params, "skip_when.update"
+        )
 
         def inner_update(grads, inner_state):
             return self.inner.update(grads, inner_state, params, **extra_args)
@@ -80,12 +84,9 @@ class _SkipWhen(Configured):
         """`update` and applying it to `params`, fused: a skipped step
         returns `params` as they came in (see `optax_ext.apply_gradients`)."""
         skip = self._skip(extra_args)
-        check_updates_fit_params(
-            grads, optimisable(params), "optax_ext.apply_gradients"
-        )
-        self._check_state(
-            state, fill_scalar_gaps(grads, params), "optax_ext.apply_gradients"
-        )
+        kept = optimisable(params)
+        check_updates_fit_params(grads, kept, "optax_ext.apply_gradients")
+        self._check_state(state, strong_scalars(kept), "optax_ext.apply_gradients")
         arrays = trainable(params)
 
         def inner_apply(grads, inner_state, arrays):

@@ -44,8 +44,22 @@ def _describe(leaf: Any) -> str:
     return f"a {type(leaf).__name__}"
 
 
+_STRUCTURE_HINT = (
+    "Pass updates with the same structure as the params the optimizer was "
+    "initialised with. Only floating arrays are optimised: other params "
+    "leaves (Python scalars, integer arrays, functions) hold None in the "
+    "state, as `eqx.filter_grad` gives None for them; wrap a Python scalar "
+    "you want trained in `jnp.asarray`."
+)
+
+
 def check_same_structure(
-    expected: PyTree, got: PyTree, *, expected_name: str, got_name: str
+    expected: PyTree,
+    got: PyTree,
+    *,
+    expected_name: str,
+    got_name: str,
+    hint: str = _STRUCTURE_HINT,
 ) -> None:
     """Raises a `ValueError` naming the first path where two trees differ.
 
@@ -88,12 +102,7 @@ def check_same_structure(
                 f"{expected_name} are {exp_def}"
             )
     raise ValueError(
-        f"The tree of {got_name} does not match {expected_name}: {problem}. "
-        "Pass updates with the same structure as the params the optimizer was "
-        "initialised with. Only floating arrays are optimised: other params "
-        "leaves (Python scalars, integer arrays, functions) hold None in the "
-        "state, as `eqx.filter_grad` gives None for them; wrap a Python scalar "
-        "you want trained in `jnp.asarray`."
+        f"The tree of {got_name} does not match {expected_name}: {problem}. {hint}"
     )
 
 
@@ -269,6 +278,10 @@ def check_updates_fit_params(updates: PyTree, kept: PyTree, who: str) -> None:
             flat(updates),
             expected_name="the params",
             got_name="the updates",
+            hint="Pass updates (gradients) with the structure of the params "
+            "passed with them; a None update may stand for any param leaf, "
+            "as `eqx.filter_grad` gives None for leaves it does not "
+            "differentiate.",
         )
     except ValueError as error:
         raise ValueError(f"{who}: {error}") from None

@@ -337,3 +337,31 @@ def test_bad_input_is_named(call, error, match):
     `mu`, `len(None)`, a pytree structure error naming no argument)."""
     with pytest.raises(error, match=match):
         call(optax_ext.skip_when(optax.adam(0.1)))
+
+
+def test_checks_accept_none_gradients_an_inner_optimizer_takes():
+    """The state and tree checks refuse no valid input: `optax.masked` takes a
+    `None` gradient for a frozen leaf. Reference: the masked optimizer
+    unwrapped."""
+    params = {"a": jnp.array([1.0, -2.0]), "b": jnp.array([3.0])}
+    grads = {"a": jnp.array([0.5, 0.25]), "b": None}
+    masked = optax.masked(optax.adam(0.1), {"a": True, "b": False})
+    opt = optax_ext.skip_when(masked)
+    u, _ = jax.jit(opt.update)(grads, opt.init(params), params)
+    want, _ = jax.jit(masked.update)(grads, masked.init(params), params)
+    assert u["b"] is None and want["b"] is None
+    np.testing.assert_array_equal(u["a"], want["a"])
+    new, _ = optax_ext.apply_gradients(opt, grads, opt.init(params), params)
+    np.testing.assert_allclose(new["a"], params["a"] + want["a"], rtol=1e-6)
+    np.testing.assert_array_equal(new["b"], params["b"])
+
+
+def test_state_check_does_not_blame_a_good_state_for_the_updates():
+    """A `None` gradient for a floating leaf that adam cannot take: the state
+    came from this optimizer's init, so the state check (made against the
+    params when given) passes, and the error is the inner optimizer's."""
+    params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    opt = optax_ext.skip_when(optax.adam(0.1))
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - adam's own error
+        opt.update({"a": jnp.ones(2), "b": None}, opt.init(params), params)
+    assert "does not have the structure" not in str(raised.value)
