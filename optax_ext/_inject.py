@@ -31,7 +31,7 @@ from ._tree import (
     fill_scalar_gaps,
     is_weak,
     optimisable,
-    restore_none,
+    restore_untrained,
     saturating_increment,
     strong_scalars,
 )
@@ -620,7 +620,7 @@ class _Injection(Configured):
             updates, kept, f"inject_hyperparams({self._name}).update"
         )
         filled = fill_scalar_gaps(updates, params)
-        params = None if kept is None else strong_scalars(kept)
+        inner_params = None if kept is None else strong_scalars(kept)
         stored, handed = self._hyperparams(
             state.hyperparams,
             state.hyperparams_states,
@@ -632,10 +632,12 @@ class _Injection(Configured):
             for n, s in self.schedules.items()
         }
         new_updates, inner_state = self._build(handed).update(
-            filled, state.inner_state, params, **extra_args
+            filled, state.inner_state, inner_params, **extra_args
         )
         count = saturating_increment(state.count)
-        return restore_none(updates, new_updates), optax.InjectStatefulHyperparamsState(
+        return restore_untrained(
+            updates, new_updates, params
+        ), optax.InjectStatefulHyperparamsState(
             count=count.astype(jnp.int32),
             hyperparams=stored,
             hyperparams_states=schedule_states,

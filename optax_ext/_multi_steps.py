@@ -548,10 +548,12 @@ class MultiSteps(Configured):
         given = updates
         updates = fill_untrained_gaps(updates, params)
         _check_gradients(updates, acc_in, self._accumulator_dtype)
+        # Against what init built the inner state from: the params where
+        # given (an integer leaf's accumulator is float32, its param not).
         check_state_structure(
             self._opt.init,
             state.inner_opt_state,
-            acc_in,
+            acc_in if params is None else params,
             self._inner_structures,
             who="MultiSteps.update",
             state_name="state.inner_opt_state",

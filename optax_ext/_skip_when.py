@@ -18,7 +18,7 @@ from ._tree import (
     describe_value,
     fill_scalar_gaps,
     optimisable,
-    restore_none,
+    restore_untrained,
     strong_scalars,
     trainable,
 )
@@ -59,20 +59,20 @@ class _SkipWhen(Configured):
         kept = None if params is None else optimisable(params)
         check_updates_fit_params(updates, kept, "skip_when.update")
         filled = fill_scalar_gaps(updates, params)
-        params = None if kept is None else strong_scalars(kept)
+        inner_params = None if kept is None else strong_scalars(kept)
         # What init built the state from: the params where given (then a
         # state that does not fit is the state's fault, not the updates').
         self._check_state(
-            state, filled if params is None else params, "skip_when.update"
+            state, filled if kept is None else inner_params, "skip_when.update"
         )
 
         def inner_update(grads, inner_state):
-            return self.inner.update(grads, inner_state, params, **extra_args)
+            return self.inner.update(grads, inner_state, inner_params, **extra_args)
 
         new_updates, new_state, _ = update_if(
             jnp.logical_not(skip), inner_update, filled, state
         )
-        return restore_none(updates, new_updates), new_state
+        return restore_untrained(updates, new_updates, params), new_state
 
     def _apply_gradients(
         self,
@@ -145,7 +145,7 @@ def skip_when(
     for params of floating arrays. As in optax, Python `float` leaves of the
     params are optimised (their state strongly typed from `init` on); integer
     and bool arrays are not: they hold `None` in the state, where `inner`'s
-    own state may hold a moment for them.
+    own state may hold a moment for them, and their update is zero.
 
     Compared with `optax.transforms.conditionally_mask(inner, fn,
     forward_extra_args=True)`: its zeros take the dtype of the incoming

@@ -338,14 +338,18 @@ def fill_scalar_gaps(updates: PyTree, params: PyTree) -> PyTree:
     is made a strongly typed array, as the param is: a zero where it is
     `None`. `optimisable` gives such a param a state entry (as optax does),
     but `eqx.filter_grad` gives it a `None` gradient (an Equinox model's
-    `float` field). The zero keeps the trees the inner optimizer maps over
-    aligned; the caller puts the `None` back with `restore_none`. Trees that
-    do not line up are returned unchanged, for the inner optimizer to judge.
+    `float` field); the zero keeps the trees the inner optimizer maps over
+    aligned. Where `params` holds a leaf that `optimisable` drops (an integer
+    array: no state is kept for it) the update is `None`. The caller puts
+    back what it was given with `restore_untrained`. Trees that do not line
+    up are returned unchanged, for the inner optimizer to judge.
     """
     if params is None:
         return updates
 
     def fill(u: Any, p: Any) -> Any:
+        if _not_optimised(p):
+            return None  # no state for it: see `restore_untrained`
         if not _weakly_typed(p):
             return u
         if u is None:
@@ -356,6 +360,32 @@ def fill_scalar_gaps(updates: PyTree, params: PyTree) -> PyTree:
         return jax.tree.map(fill, updates, params, is_leaf=_is_none)
     except (ValueError, TypeError):
         return updates
+
+
+def _not_optimised(p: Any) -> bool:
+    return p is not None and not (eqx.is_inexact_array(p) or is_python_scalar(p))
+
+
+def restore_untrained(original: PyTree, new: PyTree, params: PyTree) -> PyTree:
+    """`restore_none(original, new)`, and a zero update (in the dtype of the
+    update given) where `params` holds a leaf that is not optimised (an
+    integer array, which `fill_scalar_gaps` handed on as `None`): the param
+    stays as it is."""
+    if params is None:
+        return restore_none(original, new)
+
+    def back(o: Any, n: Any, p: Any) -> Any:
+        if o is None:
+            return None
+        if _not_optimised(p):
+            dtype = jnp.result_type(o)
+            return o if dtype == jax.dtypes.float0 else jnp.zeros(jnp.shape(o), dtype)
+        return n
+
+    try:
+        return jax.tree.map(back, original, new, params, is_leaf=_is_none)
+    except (ValueError, TypeError):
+        return restore_none(original, new)
 
 
 def restore_none(original: PyTree, new: PyTree) -> PyTree:

@@ -365,3 +365,35 @@ def test_state_check_does_not_blame_a_good_state_for_the_updates():
     with pytest.raises(Exception) as raised:  # noqa: PT011 - adam's own error
         opt.update({"a": jnp.ones(2), "b": None}, opt.init(params), params)
     assert "does not have the structure" not in str(raised.value)
+
+
+@pytest.mark.parametrize("wrap", ["skip_when", "inject_hyperparams"])
+@pytest.mark.parametrize("outer", ["alone", "MultiSteps"])
+def test_integer_param_leaf_is_left_as_it_is(wrap, outer):
+    """An integer array in a dict of params (a step counter) holds `None` in
+    the wrapper's state; its gradient (an int, or float0 from
+    `jax.grad(..., allow_int=True)`) is not handed to the inner optimizer
+    and its update is zero, so the param stays. Inside MultiSteps this
+    failed: the state check blamed the state, then adam met a `None`
+    moment. Reference for the float leaf: adam on the float leaves alone."""
+    opt, bare = _wrapped_adam_and_reference(wrap)
+    params = {"w": jnp.array([1.0, -2.0]), "step": jnp.asarray(3)}
+    grads = {"w": jnp.array([0.5, 0.25]), "step": jnp.asarray(1)}
+    k = 1 if outer == "alone" else 2
+    if outer == "MultiSteps":
+        opt = optax_ext.MultiSteps(opt, k)
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    for _ in range(k):
+        u, state = update(grads, state, params)
+    assert u["step"].dtype == jnp.int32 and int(u["step"]) == 0
+    new = optax.apply_updates(params, u)
+    assert new["step"].dtype == jnp.int32 and int(new["step"]) == 3
+    want, _ = jax.jit(bare.update)(
+        {"w": grads["w"]}, bare.init({"w": params["w"]}), {"w": params["w"]}
+    )
+    np.testing.assert_allclose(u["w"], want["w"], rtol=1e-6)
+    if outer == "alone":
+        float0 = jax.grad(lambda p: jnp.sum(p["w"] ** 2), allow_int=True)(params)
+        u, _ = jax.jit(opt.update)(float0, opt.init(params), params)
+        assert u["step"].dtype == jax.dtypes.float0
