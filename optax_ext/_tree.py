@@ -224,9 +224,13 @@ def optimisable(tree: PyTree) -> PyTree:
     """`trainable(tree)`, except that Python `float` and `complex` leaves are
     kept, as optax keeps them: `optax.adam(...).init({"s": 0.5})` has a moment
     for `s` and `jax.grad` gives `s` a gradient."""
-    return jax.tree.map(
-        lambda x: x if eqx.is_inexact_array(x) or is_python_scalar(x) else None, tree
-    )
+    return jax.tree.map(lambda x: x if _optimised(x) else None, tree)
+
+
+def _optimised(x: Any) -> bool:
+    """What `optimisable` keeps: a floating or complex array, a Python
+    `float` or `complex`."""
+    return eqx.is_inexact_array(x) or is_python_scalar(x)
 
 
 def _weakly_typed(x: Any) -> bool:
@@ -363,7 +367,7 @@ def fill_scalar_gaps(updates: PyTree, params: PyTree) -> PyTree:
 
 
 def _not_optimised(p: Any) -> bool:
-    return p is not None and not (eqx.is_inexact_array(p) or is_python_scalar(p))
+    return p is not None and not _optimised(p)
 
 
 def restore_untrained(original: PyTree, new: PyTree, params: PyTree) -> PyTree:
@@ -444,7 +448,7 @@ def accumulable(tree: PyTree) -> PyTree:
     def keep(x: Any) -> Any:
         if _is_module(x):
             return optimisable(x)
-        if eqx.is_inexact_array(x) or is_python_scalar(x) or _is_integer_leaf(x):
+        if _optimised(x) or _is_integer_leaf(x):
             return x
         return None
 
