@@ -473,3 +473,18 @@ def test_bad_accumulator_dtype_is_refused_at_construction(dtype):
         return
     with pytest.raises(TypeError, match="accumulator_dtype must be a floating"):
         optax_ext.MultiSteps(optax.sgd(1.0), 2, accumulator_dtype=dtype)
+
+
+def test_bool_params_leaf_holds_no_accumulator():
+    """Documented (docs/multi_steps.md, Numerics): a bool leaf holds `None`,
+    where optax.MultiSteps keeps a float32 accumulator; its `None`
+    gradient gives a `None` update, and the float leaf is sgd on the mean."""
+    params = {"w": jnp.ones(2), "m": jnp.array([True, False])}
+    opt = optax_ext.MultiSteps(optax.sgd(0.5), 2)
+    state = opt.init(params)
+    assert state.acc_grads["m"] is None
+    assert optax.MultiSteps(optax.sgd(0.5), 2).init(params).acc_grads["m"] is not None
+    for g in (1.0, 3.0):
+        u, state = opt.update({"w": jnp.full(2, g), "m": None}, state, params)
+    assert u["m"] is None
+    np.testing.assert_array_equal(u["w"], jnp.full(2, -0.5 * 2.0))
