@@ -63,7 +63,10 @@ class _SkipWhen(Configured):
         # What init built the state from: the params where given (then a
         # state that does not fit is the state's fault, not the updates').
         self._check_state(
-            state, filled if kept is None else inner_params, "skip_when.update"
+            state,
+            filled if kept is None else inner_params,
+            "skip_when.update",
+            "state",
         )
 
         def inner_update(grads, inner_state):
@@ -86,7 +89,9 @@ class _SkipWhen(Configured):
         skip = self._skip(extra_args)
         kept = optimisable(params)
         check_updates_fit_params(grads, kept, "optax_ext.apply_gradients")
-        self._check_state(state, strong_scalars(kept), "optax_ext.apply_gradients")
+        self._check_state(
+            state, strong_scalars(kept), "optax_ext.apply_gradients", "opt_state"
+        )
         arrays = trainable(params)
 
         def inner_apply(grads, inner_state, arrays):
@@ -99,14 +104,16 @@ class _SkipWhen(Configured):
         )
         return merge_trainable(params, new_arrays), new_state
 
-    def _check_state(self, state: Any, template: Any, who: str) -> None:
+    def _check_state(
+        self, state: Any, template: Any, who: str, state_name: str
+    ) -> None:
         check_state_structure(
             self.inner.init,
             state,
             template,
             self._structures,
             who=who,
-            state_name="opt_state" if "apply" in who else "state",
+            state_name=state_name,
             owner="skip_when",
         )
 
