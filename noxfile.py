@@ -102,4 +102,5 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/run.py")
     session.run("python", "benchmarks/data_parallel.py")
     session.run("python", "benchmarks/microbatched.py")
+    session.run("python", "benchmarks/cpu_runtime.py")
     session.run("python", "benchmarks/sync_docs.py")
