@@ -1,23 +1,26 @@
-"""Two costs of a call on XLA:CPU that no change to the program's arithmetic
+"""Two costs of a call on XLA:CPU that no change to a program's arithmetic
 removes, measured on minimal jitted functions (no optax_ext code).
 
 Run with `python benchmarks/cpu_runtime.py` (`--quick` for a smoke run that
 writes nothing). They bound what a `MultiSteps` mini-step can reach with many
-small leaves (`docs/design.md`, "What a call costs on XLA:CPU"):
+small leaves (`docs/design.md`, "What no program change removes"):
 
-- a `lax.cond` whose running branch is not taken: `cond(False, heavy,
-  identity, xs)` over 96 donated leaves of (64, 64), where `heavy` holds `k`
-  extra reduction kernels a leaf. The idle branch does the same work in
-  every case (none); the time still grows with the kernels compiled into the
-  branch that does not run;
+- reductions compiled into a `lax.cond` branch that is not taken:
+  `cond(False, heavy, identity, xs)` over 96 donated leaves, where `heavy`
+  scales each leaf by `k` reductions of it (`k = 0`: doubles it). Every
+  candidate hands the same buffers in and out, no copy is compiled anywhere
+  (checked), and the branch taken does nothing; only the kernels of the
+  branch not taken differ. Leaves of (64, 64) and of (256, 256);
 - buffers handed in and out of a donated call: a running sum over 96 leaves
   (the accumulate of a mini-step) that also takes `m` more donated buffers
   a leaf and returns them untouched (an inner optimizer's state passed
-  through).
+  through), with leaves of (64, 64) and of (256, 256).
 
 Every candidate is compiled first, then timed round-robin in a shuffled
-order each round (consecutive calls lasting at least `MIN_SECONDS`),
-medians over rounds; the slopes are least-squares fits over the candidates.
+order each round (consecutive calls lasting at least `MIN_SECONDS`). Times
+are medians over rounds. A cost per kernel or per buffer is the
+least-squares slope of one round's times of a series; the median and the
+quartiles of those slopes over the rounds are reported.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,56 +44,49 @@ from run import machine  # noqa: E402
 RESULTS = Path(__file__).parent / "results"
 MIN_SECONDS = 0.05
 LEAVES = 96
+SIDES = (64, 256)
 
 
-HELD = 4  # buffers a leaf that every idle-branch candidate passes through
+def heavy(k: int) -> Callable:
+    """Each leaf scaled by `k` reductions of it (each a kernel of its own);
+    with `k = 0`, doubled."""
 
-
-def heavy(kind: str, k: int) -> Callable:
-    """The running branch: each leaf doubled, and `k` more kernels a leaf:
-    elementwise ones, each writing one of the held buffers, or reductions of
-    the leaf (each a kernel of its own) that scale it."""
-
-    def branch(bufs):
-        xs, held = list(bufs[0]), list(bufs[1])
-        if kind == "elementwise":
-            for j in range(k * len(xs)):
-                held[j] = held[j] + xs[j % len(xs)] * (j % 7 + 1.5)
-            return [x * 2 for x in xs], held
+    def branch(xs):
         out = []
         for x in xs:
+            if k == 0:
+                out.append(x * 2)
+                continue
             s = jnp.sum(x)
             for j in range(1, k):
                 s = s + jnp.max(x * (j + 1.5))
             out.append(x * s)
-        return out, held
+        return out
 
     return branch
 
 
-def branch_kernels(compiled) -> dict[str, int]:
-    """Kernels in the branches of the compiled module's conditionals, by
-    kind: fusions holding a reduction, other fusions, other ops (copies)."""
+def idle_branch_step(k: int) -> Callable:
+    """`cond(flag, heavy(k), identity, xs)`: called with `flag` False."""
+    running = heavy(k)
+    return lambda xs, flag: lax.cond(flag, running, list, xs)
+
+
+def kernels(compiled) -> dict[str, int]:
+    """Reductions (fusions holding a `reduce`) in the branches of the
+    compiled module's conditionals, and copies anywhere."""
     text = compiled.as_text()
-    bodies = dict(re.findall(r"\n%([\w.\-]+) \([^\n]*\{\n(.*?)\n\}", text, re.S))
+    bodies = dict(
+        re.findall(r"\n(?:ENTRY )?%([\w.\-]+) \([^\n]*\{\n(.*?)\n\}", text, re.S)
+    )
     branches = set()
     for group in re.findall(r"branch_computations=\{([^}]*)\}", text):
         branches |= {name.strip().lstrip("%") for name in group.split(",")}
-    count = {"reduction": 0, "elementwise": 0, "other": 0}
+    reductions = 0
     for name in branches:
-        for line in bodies.get(name, "").splitlines():
-            m = re.search(r"= \S+ ([\w\-]+)\(", line)
-            if not m or m.group(1) in ("parameter", "get-tuple-element", "tuple"):
-                continue
-            if m.group(1) in ("constant", "bitcast"):
-                continue
-            if m.group(1) != "fusion":
-                count["other"] += 1
-                continue
-            callee = re.search(r"calls=%([\w.\-]+)", line)
-            body = bodies.get(callee.group(1), "") if callee else ""
-            count["reduction" if "reduce(" in body else "elementwise"] += 1
-    return count
+        for callee in re.findall(r" fusion\(.*calls=%([\w.\-]+)", bodies.get(name, "")):
+            reductions += "reduce(" in bodies.get(callee, "")
+    return {"reductions": reductions, "copies": len(re.findall(r" copy\(", text))}
 
 
 class Case:
@@ -118,65 +113,55 @@ class Case:
         return total / calls
 
 
-def idle_branch_step(kind: str, k: int) -> Callable:
-    """`cond(flag, heavy, identity, bufs)`: called with `flag` False."""
-    running = heavy(kind, k)
-
-    def idle(bufs):
-        return list(bufs[0]), list(bufs[1])
-
-    return lambda bufs, flag: lax.cond(flag, running, idle, bufs)
-
-
-def idle_branch_cases(quick: bool) -> dict[str, tuple[Case, dict[str, int]]]:
+def idle_branch_cases(quick: bool) -> dict[tuple[int, int], tuple[Case, int]]:
+    """(side, k) -> (case, reductions in the branches)."""
     flag = jnp.asarray(False)
-    grid = [(64, "elementwise", 0), (64, "elementwise", 4), (64, "reduction", 2)]
-    if not quick:
-        grid += [
-            (64, "elementwise", 2),
-            (64, "reduction", 1),
-            (64, "reduction", 4),
-            (256, "elementwise", 0),
-            (256, "reduction", 2),
-        ]
     cases = {}
-    for side, kind, k in sorted(grid):
+    for side in SIDES[:1] if quick else SIDES:
         xs = [jnp.full((side, side), 1.0 + i) for i in range(LEAVES)]
-        held = [jnp.zeros((side, side)) for _ in range(HELD * LEAVES)]
-        case = Case(idle_branch_step(kind, k), (xs, held), (flag,))
-        cases[f"{side}:{kind}:{k}"] = (case, branch_kernels(case.compiled))
+        for k in (0, 2) if quick else (0, 2, 4, 8):
+            case = Case(idle_branch_step(k), xs, (flag,))
+            found = kernels(case.compiled)
+            if found["copies"]:
+                raise RuntimeError(
+                    f"k={k}, leaves of ({side}, {side}): {found['copies']} copies "
+                    "compiled; the candidates would differ by more than the "
+                    "branch not taken."
+                )
+            cases[(side, k)] = (case, found["reductions"])
     return cases
 
 
-def pass_through_cases(quick: bool) -> dict[str, tuple[Case, int]]:
+def pass_through_cases(quick: bool) -> dict[tuple[int, int], tuple[Case, int]]:
+    """(side, m) -> (case, buffers passed through beyond the running sum's)."""
+
     def step(bufs):
         acc, g, held = bufs
         return ([a + x for a, x in zip(acc, g, strict=True)], g, held)
 
     cases = {}
-    shape = (64, 64)
-    acc = [jnp.zeros(shape) for _ in range(LEAVES)]
-    # The gradients ride along donated too, returned as they came in, so
-    # that every candidate hands the same buffers back; only `held` grows.
-    g = [jnp.ones(shape) for _ in range(LEAVES)]
-    for m in (0, 2) if quick else (0, 1, 2, 3):
-        held = [jnp.zeros(shape) for _ in range(m * LEAVES)]
-        cases[str(m)] = (Case(step, (acc, g, held)), m * LEAVES)
+    for side in SIDES[:1] if quick else SIDES:
+        acc = [jnp.zeros((side, side)) for _ in range(LEAVES)]
+        # The gradients ride along donated too, returned as they came in, so
+        # that every candidate hands them back; only `held` grows.
+        g = [jnp.ones((side, side)) for _ in range(LEAVES)]
+        for m in (0, 2) if quick else (0, 1, 2, 3):
+            held = [jnp.zeros((side, side)) for _ in range(m * LEAVES)]
+            cases[(side, m)] = (Case(step, (acc, g, held)), m * LEAVES)
     return cases
 
 
-def run_interleaved(
-    cases: dict[str, tuple[Case, Any]], rounds: int
-) -> dict[str, float]:
+def run_interleaved(cases: dict, rounds: int) -> None:
     order = [case for case, _ in cases.values()]
     shuffle = random.Random(0).shuffle
     for _ in range(rounds):
         shuffle(order)
         for case in order:
             case.times.append(case.timed())
-    return {
-        name: 1e6 * statistics.median(case.times) for name, (case, _) in cases.items()
-    }
+
+
+def median_us(case: Case) -> float:
+    return 1e6 * statistics.median(case.times)
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -184,6 +169,20 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
         (x - mx) ** 2 for x in xs
     )
+
+
+def round_slopes(series: list[tuple[Case, int]]) -> str:
+    """The us-per-unit slope of each round's times over `series`, as
+    'median (quartiles a to b)'."""
+    rounds = len(series[0][0].times)
+    per_round = sorted(
+        slope([n for _, n in series], [1e6 * case.times[r] for case, _ in series])
+        for r in range(rounds)
+    )
+    if rounds < 4:
+        return f"{statistics.median(per_round):.2f}"
+    q1, mid, q3 = statistics.quantiles(per_round, n=4)
+    return f"{mid:.2f} (quartiles {q1:.2f} to {q3:.2f})"
 
 
 def main() -> None:
@@ -197,18 +196,9 @@ def main() -> None:
 
     idle = idle_branch_cases(args.quick)
     passing = pass_through_cases(args.quick)
-    idle_us = run_interleaved(idle, rounds)
-    pass_us = run_interleaved(passing, rounds)
-
-    def fit(kind: str) -> float:
-        """us a call per kernel of `kind`: the slope over the (64, 64) rows
-        that add kernels of that kind (and the row adding none)."""
-        rows = [
-            n for n in idle if n.startswith("64:") and (kind in n or n.endswith(":0"))
-        ]
-        return slope([idle[n][1][kind] for n in rows], [idle_us[n] for n in rows])
-
-    per_buffer = slope([passing[n][1] for n in passing], [pass_us[n] for n in passing])
+    run_interleaved(idle, rounds)
+    run_interleaved(passing, rounds)
+    sides = sorted({side for side, _ in idle})
 
     lines = [
         "# What a call costs on XLA:CPU",
@@ -217,57 +207,50 @@ def main() -> None:
         f"Machine: {machine()}.",
         "",
         f"Medians of {rounds} interleaved rounds, microseconds a call; minimal "
-        "jitted functions, no optax_ext code (see the script's docstring).",
+        "jitted functions, no optax_ext code (see the script's docstring). A "
+        "cost per kernel or per buffer is the slope of each round's times, "
+        "median and quartiles over the rounds.",
         "",
-        "## A conditional's branch that does not run",
+        "## Reductions in a conditional's branch that does not run",
         "",
-        f"`lax.cond(False, heavy, identity, bufs)`, {LEAVES} donated leaves and "
-        f"{HELD} more donated buffers a leaf passed through; `heavy` adds k "
-        "kernels a leaf, elementwise or reductions. The branch taken does "
-        "nothing in every row.",
+        f"`lax.cond(False, heavy, identity, xs)`, {LEAVES} donated leaves; "
+        "`heavy` scales each leaf by k reductions of it. Every row hands the "
+        "same buffers in and out, compiles no copy, and takes the branch that "
+        "does nothing.",
         "",
-        "| leaf shape | extra kernels a leaf | reduction kernels in the branches "
-        "| elementwise kernels | other ops | us a call |",
-        "|---|---|---|---|---|---|",
+        "| leaf shape | k | reductions in the branches | us a call |",
+        "|---|---|---|---|",
     ]
-    for name, (_, kernels) in idle.items():
-        side, kind, k = name.split(":")
+    for (side, k), (case, n) in idle.items():
+        lines.append(f"| ({side}, {side}) | {k} | {n} | {median_us(case):.1f} |")
+    lines.append("")
+    for side in sides:
+        series = [idle[key] for key in idle if key[0] == side]
         lines.append(
-            f"| ({side}, {side}) | {k} {kind} | {kernels['reduction']} | "
-            f"{kernels['elementwise']} | {kernels['other']} | {idle_us[name]:.1f} |"
-        )
-    lines += [
-        "",
-        "Each kernel compiled into the branch that does not run adds to every "
-        f"call: a reduction {fit('reduction'):.2f} us, an elementwise kernel "
-        f"{fit('elementwise'):.2f} us (least-squares slopes over the (64, 64) rows).",
-    ]
-    if "256:reduction:2" in idle:
-        lines.append(
-            "Two reductions a leaf add "
-            f"{idle_us['64:reduction:2'] - idle_us['64:elementwise:0']:.1f} us "
-            "with leaves of (64, 64) and "
-            f"{idle_us['256:reduction:2'] - idle_us['256:elementwise:0']:.1f} us "
-            "with leaves of (256, 256), 16 times larger."
+            f"- leaves of ({side}, {side}): each reduction compiled into the branch "
+            f"not taken adds {round_slopes(series)} us to every call."
         )
     lines += [
         "",
         "## Buffers passed through a donated call",
         "",
-        f"A running sum over {LEAVES} leaves of (64, 64) that also takes m "
-        "more donated buffers a leaf and returns them untouched.",
+        f"A running sum over {LEAVES} leaves (reading and writing "
+        f"{2 * LEAVES} donated buffers) that also takes m more donated buffers "
+        "a leaf and returns them untouched.",
         "",
-        "| m | buffers passed through | us a call |",
-        "|---|---|---|",
+        "| leaf shape | m | extra buffers passed through | us a call |",
+        "|---|---|---|---|",
     ]
-    for name, (_, n) in passing.items():
-        lines.append(f"| {name} | {n} | {pass_us[name]:.1f} |")
-    lines += [
-        "",
-        f"Each buffer passed through adds {per_buffer:.2f} us to every call "
-        "(least-squares slope).",
-        "",
-    ]
+    for (side, m), (case, n) in passing.items():
+        lines.append(f"| ({side}, {side}) | {m} | {n} | {median_us(case):.1f} |")
+    lines.append("")
+    for side in sides:
+        series = [passing[key] for key in passing if key[0] == side]
+        lines.append(
+            f"- leaves of ({side}, {side}): each extra buffer passed through adds "
+            f"{round_slopes(series)} us to every call."
+        )
+    lines.append("")
     text = "\n".join(lines)
     if args.quick:
         print(text)
