@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run import machine  # noqa: E402
+from run import machine, time_calls  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 MIN_SECONDS = 0.05
@@ -106,11 +106,7 @@ class Case:
         return time.perf_counter() - start
 
     def timed(self) -> float:
-        total, calls = 0.0, 0
-        while total < MIN_SECONDS or calls == 0:
-            total += self.call()
-            calls += 1
-        return total / calls
+        return time_calls(self.call, MIN_SECONDS)
 
 
 def idle_branch_cases(quick: bool) -> dict[tuple[int, int], tuple[Case, int]]:
@@ -185,6 +181,22 @@ def round_slopes(series: list[tuple[Case, int]]) -> str:
     return f"{mid:.2f} (quartiles {q1:.2f} to {q3:.2f})"
 
 
+def series_rows(cases: dict[tuple[int, int], tuple[Case, int]], unit: str) -> list[str]:
+    """A table row per case, then the cost of one `unit` per leaf shape."""
+    rows = [
+        f"| ({side}, {side}) | {k} | {n} | {median_us(case):.1f} |"
+        for (side, k), (case, n) in cases.items()
+    ]
+    rows.append("")
+    for side in sorted({side for side, _ in cases}):
+        series = [cases[key] for key in cases if key[0] == side]
+        rows.append(
+            f"- leaves of ({side}, {side}): {unit} adds {round_slopes(series)} us "
+            "to every call."
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -198,7 +210,6 @@ def main() -> None:
     passing = pass_through_cases(args.quick)
     run_interleaved(idle, rounds)
     run_interleaved(passing, rounds)
-    sides = sorted({side for side, _ in idle})
 
     lines = [
         "# What a call costs on XLA:CPU",
@@ -221,15 +232,7 @@ def main() -> None:
         "| leaf shape | k | reductions in the branches | us a call |",
         "|---|---|---|---|",
     ]
-    for (side, k), (case, n) in idle.items():
-        lines.append(f"| ({side}, {side}) | {k} | {n} | {median_us(case):.1f} |")
-    lines.append("")
-    for side in sides:
-        series = [idle[key] for key in idle if key[0] == side]
-        lines.append(
-            f"- leaves of ({side}, {side}): each reduction compiled into the branch "
-            f"not taken adds {round_slopes(series)} us to every call."
-        )
+    lines += series_rows(idle, "each reduction compiled into the branch not taken")
     lines += [
         "",
         "## Buffers passed through a donated call",
@@ -241,15 +244,7 @@ def main() -> None:
         "| leaf shape | m | extra buffers passed through | us a call |",
         "|---|---|---|---|",
     ]
-    for (side, m), (case, n) in passing.items():
-        lines.append(f"| ({side}, {side}) | {m} | {n} | {median_us(case):.1f} |")
-    lines.append("")
-    for side in sides:
-        series = [passing[key] for key in passing if key[0] == side]
-        lines.append(
-            f"- leaves of ({side}, {side}): each extra buffer passed through adds "
-            f"{round_slopes(series)} us to every call."
-        )
+    lines += series_rows(passing, "each extra buffer passed through")
     lines.append("")
     text = "\n".join(lines)
     if args.quick:

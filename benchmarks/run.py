@@ -141,15 +141,19 @@ class Runner:
         return time.perf_counter() - start
 
     def timed(self, min_seconds: float) -> float:
-        """Seconds per call over consecutive calls totalling `min_seconds` (at
-        least one call): a fast step is timed over many calls in a row, as
-        mini-steps run in training, rather than once after whatever heavy
-        candidate preceded it."""
-        total, calls = 0.0, 0
-        while total < min_seconds or calls == 0:
-            total += self.call()
-            calls += 1
-        return total / calls
+        return time_calls(self.call, min_seconds)
+
+
+def time_calls(call: Callable[[], float], min_seconds: float = MIN_SECONDS) -> float:
+    """Seconds per call over consecutive calls of `call` (which returns the
+    seconds it took) totalling `min_seconds` (at least one call): a fast step
+    is timed over many calls in a row, as mini-steps run in training, rather
+    than once after whatever heavy candidate preceded it."""
+    total, calls = 0.0, 0
+    while total < min_seconds or calls == 0:
+        total += call()
+        calls += 1
+    return total / calls
 
 
 def compile_time(tx: optax.GradientTransformation, params, grads) -> float:

@@ -60,7 +60,7 @@ import optax
 import optax_ext
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run import machine  # noqa: E402
+from run import machine, time_calls  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 NEVER = 1_000_000_000
@@ -225,11 +225,7 @@ class Runner:
         return time.perf_counter() - start
 
     def timed(self) -> float:
-        total, calls = 0.0, 0
-        while total < MIN_SECONDS or calls == 0:
-            total += self.call()
-            calls += 1
-        return total / calls
+        return time_calls(self.call, MIN_SECONDS)
 
 
 def bench(inner: str, layout: str, dtype: str, rounds: int) -> dict:
