@@ -38,6 +38,8 @@ from ._tree import (
     fill_untrained_gaps,
     restore_none,
     saturating_increment,
+    state_record,
+    strong_as_recorded,
     widen,
 )
 
@@ -468,7 +470,7 @@ class MultiSteps(Configured):
         inner_state = self._opt.init(params)
         key = avals_key(params)
         if key is not None:
-            self._inner_structures[key] = jax.tree.structure(inner_state)
+            self._inner_structures[key] = state_record(inner_state)
         gradient_step = jnp.zeros((), jnp.int32)
         _, skip_state = _should_skip(
             self._should_skip_update_fn,
@@ -550,7 +552,7 @@ class MultiSteps(Configured):
         _check_gradients(updates, acc_in, self._accumulator_dtype)
         # Against what init built the inner state from: the params where
         # given (an integer leaf's accumulator is float32, its param not).
-        check_state_structure(
+        record = check_state_structure(
             self._opt.init,
             state.inner_opt_state,
             acc_in if params is None else params,
@@ -559,6 +561,9 @@ class MultiSteps(Configured):
             state_name="state.inner_opt_state",
             owner="MultiSteps",
         )
+        # A value written into the state weakly typed (`jnp.asarray(1e-2)`)
+        # gets init's avals back, as the bare optimizer's update gives it.
+        inner_state = strong_as_recorded(state.inner_opt_state, record)
         devices.check_gradients(updates, acc_in)
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
@@ -608,7 +613,7 @@ class MultiSteps(Configured):
                 emit,
                 inner_apply,
                 acc_grads,
-                state.inner_opt_state,
+                inner_state,
                 clear_grads=True,
                 carry=params,
                 index_by_live=True,
@@ -619,7 +624,7 @@ class MultiSteps(Configured):
                 emit,
                 inner_update,
                 acc_grads,
-                state.inner_opt_state,
+                inner_state,
                 clear_grads=True,
                 index_by_live=True,
             )

@@ -19,6 +19,8 @@ from ._tree import (
     fill_scalar_gaps,
     optimisable,
     restore_untrained,
+    state_record,
+    strong_as_recorded,
     strong_scalars,
     trainable,
 )
@@ -45,7 +47,7 @@ class _SkipWhen(Configured):
         state = self.inner.init(params)
         key = avals_key(params)
         if key is not None:
-            self._structures[key] = jax.tree.structure(state)
+            self._structures[key] = state_record(state)
         return state
 
     def update(
@@ -62,7 +64,7 @@ class _SkipWhen(Configured):
         inner_params = None if kept is None else strong_scalars(kept)
         # What init built the state from: the params where given (then a
         # state that does not fit is the state's fault, not the updates').
-        self._check_state(
+        state = self._check_state(
             state,
             filled if kept is None else inner_params,
             "skip_when.update",
@@ -89,7 +91,7 @@ class _SkipWhen(Configured):
         skip = self._skip(extra_args)
         kept = optimisable(params)
         check_updates_fit_params(grads, kept, "optax_ext.apply_gradients")
-        self._check_state(
+        state = self._check_state(
             state, strong_scalars(kept), "optax_ext.apply_gradients", "opt_state"
         )
         arrays = trainable(params)
@@ -104,10 +106,11 @@ class _SkipWhen(Configured):
         )
         return merge_trainable(params, new_arrays), new_state
 
-    def _check_state(
-        self, state: Any, template: Any, who: str, state_name: str
-    ) -> None:
-        check_state_structure(
+    def _check_state(self, state: Any, template: Any, who: str, state_name: str) -> Any:
+        """`state`, checked against what `inner.init` builds from params like
+        `template`, with init's avals where a value was written into it
+        weakly typed (`_tree.strong_as_recorded`)."""
+        record = check_state_structure(
             self.inner.init,
             state,
             template,
@@ -116,6 +119,7 @@ class _SkipWhen(Configured):
             state_name=state_name,
             owner="skip_when",
         )
+        return strong_as_recorded(state, record)
 
     def _skip(self, extra_args: dict[str, Any]) -> jax.Array:
         """Pops the flag from `extra_args`. Without it the step is not

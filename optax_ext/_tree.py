@@ -291,6 +291,23 @@ def check_updates_fit_params(updates: PyTree, kept: PyTree, who: str) -> None:
         raise ValueError(f"{who}: {error}") from None
 
 
+def state_record(state: PyTree) -> tuple[Any, tuple]:
+    """What `init` built: the state's tree structure, and each leaf's
+    (shape, dtype, weak type), `None` for a leaf without a dtype. Of real
+    arrays or of `jax.eval_shape`'s structs alike."""
+    leaves, treedef = jax.tree.flatten(state)
+    avals = []
+    for x in leaves:
+        try:
+            dtype = jnp.result_type(x)
+        except TypeError:
+            avals.append(None)
+            continue
+        shape = tuple(x.shape) if hasattr(x, "shape") else jnp.shape(x)
+        avals.append((shape, dtype, is_weak(x)))
+    return treedef, tuple(avals)
+
+
 def check_state_structure(
     init: Any,
     state: PyTree,
@@ -300,31 +317,32 @@ def check_state_structure(
     who: str,
     state_name: str,
     owner: str,
-) -> None:
+) -> tuple[Any, tuple] | None:
     """Raises a `TypeError` if `state` is not shaped like what `init` builds
     from params shaped like `template` (another optimizer's state was
-    passed).
+    passed). Returns that init's `state_record`, `None` where it cannot be
+    had without real params.
 
-    `known` maps `avals_key` of an init's params to the structure of the
-    state it built (an `init` may record its own), so `init` is traced again
-    only for params it has not seen (an Adam init is cheap; an injected one
-    traces its factory)."""
+    `known` maps `avals_key` of an init's params to the `state_record` of
+    the state it built (an `init` may record its own), so `init` is traced
+    again only for params it has not seen (an Adam init is cheap; an
+    injected one traces its factory)."""
     key = avals_key(template)
     if key is not None and key in known:
-        expected = known[key]
+        record = known[key]
     else:
         shapes = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), template
         )
         try:
-            expected = jax.tree.structure(jax.eval_shape(init, shapes))
+            record = state_record(jax.eval_shape(init, shapes))
         except Exception:  # noqa: BLE001 - an init that needs real params
-            expected = None  # no check
+            record = None  # no check
         if key is not None:
-            known[key] = expected
-    if expected is None:
-        return
-    got = jax.tree.structure(state)
+            known[key] = record
+    if record is None:
+        return None
+    got, expected = jax.tree.structure(state), record[0]
     if got != expected:
         raise TypeError(
             f"{who}'s `{state_name}` does not have the structure of the inner "
@@ -332,6 +350,33 @@ def check_state_structure(
             f"state that this {owner}'s init returned (not one "
             "built by another optimizer)."
         )
+    return record
+
+
+def strong_as_recorded(state: PyTree, record: tuple[Any, tuple] | None) -> PyTree:
+    """`state` with each weakly typed leaf made strong where `init` built it
+    strong with the same shape and dtype (`record`, from `state_record`): a
+    value written into the state as `jnp.asarray(1e-2)` where init stored a
+    float32 array. The value is unchanged; a conditional that returns the
+    state as it came in would otherwise keep the written weak type in the
+    state for good. Other leaves are returned as they are."""
+    if record is None:
+        return state
+    leaves, treedef = jax.tree.flatten(state)
+    if treedef != record[0]:
+        return state
+    out = []
+    for x, aval in zip(leaves, record[1], strict=True):
+        if (
+            aval is not None
+            and not aval[2]
+            and is_weak(x)
+            and jnp.result_type(x) == aval[1]
+            and tuple(jnp.shape(x)) == aval[0]
+        ):
+            x = lax.convert_element_type(x, aval[1])
+        out.append(x)
+    return jax.tree.unflatten(treedef, out)
 
 
 def fill_scalar_gaps(updates: PyTree, params: PyTree) -> PyTree:

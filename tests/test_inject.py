@@ -141,6 +141,65 @@ def test_hyperparams_are_writable():
     assert float(state.hyperparams["learning_rate"]) == 0.5
 
 
+WRITTEN_LR_WRAPPERS = {
+    "bare": lambda opt: opt,
+    "MultiSteps": lambda opt: optax_ext.MultiSteps(opt, every_k_schedule=1),
+    "skip_when": lambda opt: optax_ext.skip_when(opt),
+    "MultiSteps(skip_when)": lambda opt: optax_ext.MultiSteps(
+        optax_ext.skip_when(opt), every_k_schedule=1
+    ),
+}
+
+
+def _injected(state):
+    """The inject_hyperparams state inside `state` (wrappers keep it whole)."""
+    while not hasattr(state, "hyperparams"):
+        state = state.inner_opt_state
+    return state
+
+
+@pytest.mark.parametrize("form", ["update", "apply_gradients"])
+@pytest.mark.parametrize("wrap", WRITTEN_LR_WRAPPERS)
+def test_weakly_typed_value_written_into_the_state_comes_back_strong(wrap, form):
+    """`state.hyperparams[name] = jnp.asarray(1e-2)` writes a weakly typed
+    array where init stored a float32 one. The step taking it traces once
+    more (its input avals changed), as with Optax; the state it returns has
+    init's avals again, wrapped as bare: inside MultiSteps and skip_when the
+    written weak type stayed in the state for good, so a checkpoint round
+    trip (which makes it strong) retraced the step once more. Reference: Adam
+    with learning rate 1 gives the direction, exact to scale."""
+    opt = WRITTEN_LR_WRAPPERS[wrap](
+        optax_ext.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    )
+    direction = optax.adam(1.0)
+    params = {"w": jnp.array([1.0, -2.0, 0.5])}
+    grads = [{"w": jnp.array([0.3, -0.1, 2.0]) * (i + 1)} for i in range(4)]
+    traces = []
+
+    @jax.jit
+    def step(params, state, g):
+        traces.append(None)
+        if form == "update":
+            updates, state = opt.update(g, state, params)
+            return optax.apply_updates(params, updates), state
+        return optax_ext.apply_gradients(opt, g, state, params)
+
+    state = opt.init(params)
+    init_avals = avals(state)
+    ref_params, ref_state = params, direction.init(params)
+    for i, g in enumerate(grads):
+        if i == 2:
+            _injected(state).hyperparams["learning_rate"] = jnp.asarray(1e-2)
+            assert _injected(state).hyperparams["learning_rate"].weak_type
+        params, state = step(params, state, g)
+        assert avals(state) == init_avals, f"step {i}"
+        d, ref_state = direction.update(g, ref_state, ref_params)
+        lr = jnp.float32(1e-2 if i >= 2 else 1e-3)
+        ref_params = jax.tree.map(lambda p, u, lr=lr: p + lr * u, ref_params, d)
+        np.testing.assert_allclose(params["w"], ref_params["w"], rtol=1e-6)
+    assert len(traces) == 2
+
+
 def test_hypergradient_matches_hand_computation():
     """d/d lr of L(p - lr * g) is -g . grad L(p - lr * g); L = sum(x**2)/2."""
     p, g = jnp.array([1.0, -2.0, 3.0]), jnp.array([0.5, 0.25, -1.0])
