@@ -173,11 +173,23 @@ def _check_state(state: Any, method: str) -> None:
     fields = optax.MultiStepsState._fields
     missing = [f for f in fields if not hasattr(state, f)]
     if missing:
+        if isinstance(state, dict) and set(fields) <= set(state):
+            # What a checkpoint library gives back restored without a target.
+            hint = (
+                "It is a dict with the state's fields, as a checkpoint restored "
+                "without a target comes back: restore into the abstract state "
+                "(`jax.eval_shape(opt.init, params)`) or the state init "
+                "returns, so that its types come back too."
+            )
+        else:
+            hint = (
+                "Pass the whole MultiSteps state (not its inner_opt_state, nor "
+                "another optimizer's state)."
+            )
         raise TypeError(
             f"MultiSteps.{method}'s `state` must be the optax.MultiStepsState "
             f"that MultiSteps.init returned, got {describe_value(state)}, which "
-            f"has no {', '.join(missing)}. Pass the whole MultiSteps state (not "
-            "its inner_opt_state, nor another optimizer's state)."
+            f"has no {', '.join(missing)}. {hint}"
         )
     for name in ("mini_step", "gradient_step"):
         value = getattr(state, name)
@@ -340,6 +352,15 @@ def _check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None
         jax.tree.leaves(acc),
         strict=True,
     ):
+        if getattr(g, "dtype", None) == jax.dtypes.float0:
+            raise TypeError(
+                f"MultiSteps: the gradient at {jax.tree_util.keystr(path)} has "
+                "dtype float0, what `jax.grad(..., allow_int=True)` gives an "
+                "integer param: there is nothing to accumulate or apply there "
+                "(optax's optimizers and `apply_updates` refuse float0 too). "
+                "Pass None there, as `eqx.filter_grad` does, or leave the "
+                "integer params out of the differentiated tree."
+            )
         g_dtype = jnp.result_type(g)
         try:
             held = jnp.result_type(g, a.dtype) == a.dtype

@@ -269,3 +269,44 @@ def test_equinox_filter_grad_of_a_dict_with_integer_leaves():
     np.testing.assert_array_equal(to_np(updates["w"]), [-2.0, -4.0])
     new = optax_ext.apply_gradients(opt, grads, state, params)[0]
     np.testing.assert_array_equal(np.asarray(new["idx"]), [1, 0])
+
+
+@pytest.mark.parametrize("form", ["update", "apply_gradients"])
+def test_float0_gradient_is_named(form):
+    """`jax.grad(..., allow_int=True)` gives an integer param a float0
+    gradient. Nothing can be accumulated or applied there (Optax's own
+    optimizers and `apply_updates` refuse float0 too), so MultiSteps says so,
+    naming the leaf and the way out; it raised a bare dtype-promotion error
+    naming neither."""
+    params = {"w": jnp.ones(3), "n": jnp.arange(2)}
+    grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2), allow_int=True)(params)
+    assert grads["n"].dtype == jax.dtypes.float0
+    opt = optax_ext.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    state = opt.init(params)
+    with pytest.raises(
+        TypeError, match=r"gradient at \['n'\] has dtype float0.*allow_int.*None"
+    ):
+        if form == "update":
+            opt.update(grads, state, params)
+        else:
+            optax_ext.apply_gradients(opt, grads, state, params)
+
+
+def test_state_restored_without_a_target_gets_its_own_hint(tmp_path):
+    """Restored by orbax without a target, the state comes back a dict of
+    its fields; the error said to pass the whole MultiSteps state (not its
+    inner state), which it was. It now says how to restore it."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params = {"w": jnp.ones(3)}
+    opt = optax_ext.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "state", opt.init(params))
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "state")
+    assert isinstance(restored, dict)
+    with pytest.raises(TypeError, match=r"restored without a target.*eval_shape"):
+        opt.update(params, restored, params)
+    # Restored into the abstract state, it is the state again.
+    abstract = jax.eval_shape(opt.init, params)
+    state = checkpointer.restore(tmp_path / "state", abstract)
+    opt.update(params, state, params)
