@@ -582,9 +582,6 @@ class MultiSteps(Configured):
             state_name="state.inner_opt_state",
             owner="MultiSteps",
         )
-        # A value written into the state weakly typed (`jnp.asarray(1e-2)`)
-        # gets init's avals back, as the bare optimizer's update gives it.
-        inner_state = strong_as_recorded(state.inner_opt_state, record)
         devices.check_gradients(updates, acc_in)
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
@@ -634,7 +631,7 @@ class MultiSteps(Configured):
                 emit,
                 inner_apply,
                 acc_grads,
-                inner_state,
+                state.inner_opt_state,
                 clear_grads=True,
                 carry=params,
                 index_by_live=True,
@@ -645,14 +642,16 @@ class MultiSteps(Configured):
                 emit,
                 inner_update,
                 acc_grads,
-                inner_state,
+                state.inner_opt_state,
                 clear_grads=True,
                 index_by_live=True,
             )
             result = restore_none(given, result)
         new_state = optax.MultiStepsState(
             *_next_counters(emit, should_skip, mini_step, gradient_step),
-            inner_opt_state=inner_state,
+            # A value written into the state weakly typed (`jnp.asarray(1e-2)`)
+            # leaves with init's avals.
+            inner_opt_state=strong_as_recorded(inner_state, record),
             acc_grads=acc_grads,
             skip_state=devices.add_axis(skip_state),
         )

@@ -64,7 +64,7 @@ class _SkipWhen(Configured):
         inner_params = None if kept is None else strong_scalars(kept)
         # What init built the state from: the params where given (then a
         # state that does not fit is the state's fault, not the updates').
-        state = self._check_state(
+        record = self._check_state(
             state,
             filled if kept is None else inner_params,
             "skip_when.update",
@@ -77,6 +77,7 @@ class _SkipWhen(Configured):
         new_updates, new_state, _ = update_if(
             jnp.logical_not(skip), inner_update, filled, state
         )
+        new_state = strong_as_recorded(new_state, record)
         return restore_untrained(updates, new_updates, params), new_state
 
     def _apply_gradients(
@@ -91,7 +92,7 @@ class _SkipWhen(Configured):
         skip = self._skip(extra_args)
         kept = optimisable(params)
         check_updates_fit_params(grads, kept, "optax_ext.apply_gradients")
-        state = self._check_state(
+        record = self._check_state(
             state, strong_scalars(kept), "optax_ext.apply_gradients", "opt_state"
         )
         arrays = trainable(params)
@@ -104,13 +105,13 @@ class _SkipWhen(Configured):
         new_arrays, new_state, _ = update_if(
             jnp.logical_not(skip), inner_apply, grads, state, carry=arrays
         )
+        new_state = strong_as_recorded(new_state, record)
         return merge_trainable(params, new_arrays), new_state
 
     def _check_state(self, state: Any, template: Any, who: str, state_name: str) -> Any:
-        """`state`, checked against what `inner.init` builds from params like
-        `template`, with init's avals where a value was written into it
-        weakly typed (`_tree.strong_as_recorded`)."""
-        record = check_state_structure(
+        """Checks `state` against what `inner.init` builds from params like
+        `template`; returns the record for `_tree.strong_as_recorded`."""
+        return check_state_structure(
             self.inner.init,
             state,
             template,
@@ -119,7 +120,6 @@ class _SkipWhen(Configured):
             state_name=state_name,
             owner="skip_when",
         )
-        return strong_as_recorded(state, record)
 
     def _skip(self, extra_args: dict[str, Any]) -> jax.Array:
         """Pops the flag from `extra_args`. Without it the step is not

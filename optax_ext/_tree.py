@@ -292,9 +292,10 @@ def check_updates_fit_params(updates: PyTree, kept: PyTree, who: str) -> None:
 
 
 def state_record(state: PyTree) -> tuple[Any, tuple]:
-    """What `init` built: the state's tree structure, and each leaf's
-    (shape, dtype, weak type), `None` for a leaf without a dtype. Of real
-    arrays or of `jax.eval_shape`'s structs alike."""
+    """What an `init` called on real params built: the state's tree
+    structure, and each leaf's (shape, dtype, weak type), `None` for a leaf
+    without a dtype (Python numbers count as weakly typed, as in
+    `avals_key`)."""
     leaves, treedef = jax.tree.flatten(state)
     avals = []
     for x in leaves:
@@ -304,7 +305,8 @@ def state_record(state: PyTree) -> tuple[Any, tuple]:
             avals.append(None)
             continue
         shape = tuple(x.shape) if hasattr(x, "shape") else jnp.shape(x)
-        avals.append((shape, dtype, is_weak(x)))
+        weak = is_weak(x) or isinstance(x, int | float | complex)
+        avals.append((shape, dtype, weak))
     return treedef, tuple(avals)
 
 
@@ -317,16 +319,17 @@ def check_state_structure(
     who: str,
     state_name: str,
     owner: str,
-) -> tuple[Any, tuple] | None:
+) -> tuple[Any, tuple | None] | None:
     """Raises a `TypeError` if `state` is not shaped like what `init` builds
     from params shaped like `template` (another optimizer's state was
-    passed). Returns that init's `state_record`, `None` where it cannot be
-    had without real params.
+    passed). Returns what `known` holds for such params: the `state_record`
+    an `init` of this optimizer recorded, or the structure alone (`(treedef,
+    None)`) where it was traced here; `None` where it cannot be had without
+    real params.
 
-    `known` maps `avals_key` of an init's params to the `state_record` of
-    the state it built (an `init` may record its own), so `init` is traced
-    again only for params it has not seen (an Adam init is cheap; an
-    injected one traces its factory)."""
+    `known` maps `avals_key` of an init's params to that record (an `init`
+    records its own), so `init` is traced again only for params it has not
+    seen (an Adam init is cheap; an injected one traces its factory)."""
     key = avals_key(template)
     if key is not None and key in known:
         record = known[key]
@@ -335,7 +338,9 @@ def check_state_structure(
             lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), template
         )
         try:
-            record = state_record(jax.eval_shape(init, shapes))
+            # The structure alone: traced on strongly typed templates, the
+            # leaves' weak types need not be those of the state's own init.
+            record = (jax.tree.structure(jax.eval_shape(init, shapes)), None)
         except Exception:  # noqa: BLE001 - an init that needs real params
             record = None  # no check
         if key is not None:
@@ -353,14 +358,18 @@ def check_state_structure(
     return record
 
 
-def strong_as_recorded(state: PyTree, record: tuple[Any, tuple] | None) -> PyTree:
+def strong_as_recorded(
+    state: PyTree, record: tuple[Any, tuple | None] | None
+) -> PyTree:
     """`state` with each weakly typed leaf made strong where `init` built it
     strong with the same shape and dtype (`record`, from `state_record`): a
     value written into the state as `jnp.asarray(1e-2)` where init stored a
-    float32 array. The value is unchanged; a conditional that returns the
-    state as it came in would otherwise keep the written weak type in the
-    state for good. Other leaves are returned as they are."""
-    if record is None:
+    float32 array, which a conditional returning the state as it came in
+    would keep weak for good. Applied to the state a step returns, not to
+    the one the inner optimizer reads (which sees what was written, as it
+    would unwrapped). The value is unchanged; other leaves, and every leaf
+    where `record` holds no avals, are returned as they are."""
+    if record is None or record[1] is None:
         return state
     leaves, treedef = jax.tree.flatten(state)
     if treedef != record[0]:

@@ -200,6 +200,70 @@ def test_weakly_typed_value_written_into_the_state_comes_back_strong(wrap, form)
     assert len(traces) == 2
 
 
+@pytest.mark.parametrize("wrap", [w for w in WRITTEN_LR_WRAPPERS if w != "bare"])
+def test_inner_optimizer_reads_the_value_as_written(wrap):
+    """The wrappers hand the inner optimizer the state as the user wrote it:
+    with `optax.inject_hyperparams`, bfloat16 params and a weakly typed
+    learning rate written into the state, the updates stay bfloat16, equal
+    to the unwrapped optimizer's bit for bit (made strong before the step,
+    the rate promoted them to float32). Only the state returned gets
+    init's avals back."""
+    inner = optax.inject_hyperparams(optax.sgd)(learning_rate=jnp.float32(1e-3))
+    opt = WRITTEN_LR_WRAPPERS[wrap](inner)
+    params = {"w": jnp.array([1.0, -2.0, 0.5], jnp.bfloat16)}
+    grads = {"w": jnp.array([0.3, -0.1, 2.0], jnp.bfloat16)}
+    state, bare_state = opt.init(params), inner.init(params)
+    init_avals = avals(state)
+    _injected(state).hyperparams["learning_rate"] = jnp.asarray(0.0137)
+    bare_state.hyperparams["learning_rate"] = jnp.asarray(0.0137)
+    updates, state = jax.jit(opt.update)(grads, state, params)
+    want, _ = jax.jit(inner.update)(grads, bare_state, params)
+    assert updates["w"].dtype == want["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(to_np(updates["w"]), to_np(want["w"]))
+    assert avals(state) == init_avals
+
+
+def _scaling_by_a_python_float():
+    """An inner optimizer whose state holds a Python float."""
+    return optax.GradientTransformation(
+        lambda params: {"s": 0.5},
+        lambda updates, state, params=None: (
+            jax.tree.map(lambda g: g * state["s"], updates),
+            state,
+        ),
+    )
+
+
+@pytest.mark.parametrize("wrap", [w for w in WRITTEN_LR_WRAPPERS if w != "bare"])
+def test_weak_leaves_that_init_built_stay_weak(wrap):
+    """A Python float in the inner state, and Adam's moments for a Python
+    float param (weakly typed from init on), are what init built: nothing
+    is made strong there, so bfloat16 gradients keep bfloat16 updates, as
+    unwrapped, and the step traces once, also when an equal optimizer built
+    afresh (which never ran init) steps the state."""
+    for make, params in (
+        (_scaling_by_a_python_float, {"w": jnp.ones(3, jnp.bfloat16)}),
+        (lambda: optax.adam(1e-3), {"w": jnp.ones(3), "p": 0.5}),
+    ):
+        grads = jax.tree.map(lambda p: jnp.ones_like(jnp.asarray(p)), params)
+        opt = WRITTEN_LR_WRAPPERS[wrap](make())
+        state = opt.init(params)
+        for stepper in (opt, WRITTEN_LR_WRAPPERS[wrap](make())):
+            traces = []
+
+            @jax.jit
+            def step(state, grads, stepper=stepper, traces=traces, params=params):
+                traces.append(None)
+                return stepper.update(grads, state, params)
+
+            for _ in range(3):
+                updates, state = step(state, grads)
+            assert len(traces) == 1, (make, wrap, stepper is opt)
+        if make is _scaling_by_a_python_float:
+            want, _ = make().update(grads, make().init(params), params)
+            assert avals(updates) == avals(want)
+
+
 def test_hypergradient_matches_hand_computation():
     """d/d lr of L(p - lr * g) is -g . grad L(p - lr * g); L = sum(x**2)/2."""
     p, g = jnp.array([1.0, -2.0, 3.0]), jnp.array([0.5, 0.25, -1.0])
