@@ -12,7 +12,14 @@ from jax import lax
 from jax.extend import core as jex_core
 from jaxtyping import PyTree
 
-from ._sharding import is_local, sharded_type, varying_axes, zeros_like_struct
+from ._sharding import (
+    aval_varying_axes,
+    cast_varying,
+    is_local,
+    sharded_type,
+    varying_axes,
+    zeros_like_struct,
+)
 from ._tree import cast_like, check_same_shapes
 
 
@@ -144,7 +151,9 @@ def update_if(
         return new_updates, new_inner_state, _zeros_after(grads, done)
 
     def skip(live, grads, inner_state, carry):
-        kept = carry if carried else _distinct_zeros(out_shapes, live)
+        kept = carry
+        if not carried:
+            kept = _typed_like(_distinct_zeros(out_shapes, live), out_avals[:n_updates])
         return kept, inner_state, (grads if clear_grads else None)
 
     # `live` goes in as an operand: inside the running branch it is a
@@ -224,6 +233,20 @@ def _runtime_true(leaves: list[Any]) -> jax.Array | None:
 # below it a copy of a shared broadcast costs less than one more kernel to
 # launch and to compile.
 DISTINCT_ZEROS_MIN_SIZE = 1 << 16
+
+
+def _typed_like(zeros: PyTree, avals: list[Any]) -> PyTree:
+    """`zeros` typed as varying over the mesh axes that the running branch's
+    outputs (`avals`) vary over inside `jax.shard_map` (updates of params
+    sharded over a manual axis), so that both branches agree."""
+    leaves, treedef = jax.tree.flatten(zeros)
+    out = []
+    for z, aval in zip(leaves, avals, strict=True):
+        axes = (aval_varying_axes(aval) or frozenset()) - (
+            varying_axes(z) or frozenset()
+        )
+        out.append(cast_varying(z, tuple(sorted(axes))) if axes else z)
+    return jax.tree.unflatten(treedef, out)
 
 
 def _distinct_zeros(structs: PyTree, live: jax.Array) -> PyTree:
@@ -422,8 +445,28 @@ def _token_after(arrays: list[jax.Array], live: jax.Array) -> jax.Array | None:
             live, lax.ne(lax.reshape(bit, ()), lax.full((), 0, bit.dtype))
         )
 
-    never = lambda live, _: lax.full((), False, jnp.bool_)  # noqa: E731
+    # Inside `jax.shard_map`, `read` varies over every axis that an array
+    # read (or `live`) varies over; the other branch must be typed alike.
+    axes = tuple(
+        sorted(frozenset().union(*(varying_axes(x) or () for x in [live, *arrays])))
+    )
+
+    def never(live, arrays):
+        false = lax.full((), False, jnp.bool_)
+        return cast_varying(false, axes) if axes else false
+
     return lax.cond(live, read, never, live, arrays)
+
+
+def _select_after(token: jax.Array, value: jax.Array, other: jax.Array) -> jax.Array:
+    """`where(token, value, other)`, computed after `token` (see
+    `_token_after`), typed as `value` is. Inside `jax.shard_map`, a token
+    that varies over an axis `value` does not (one device's element read)
+    would make the result vary there, and the conditional's branches
+    disagree: `value` is returned as it is, unordered (XLA may copy it)."""
+    if not set(varying_axes(token) or ()) <= set(varying_axes(value) or ()):
+        return value
+    return cast_like(lax.select(token, value, other), value)
 
 
 # How many reads `_token_after` concatenates at once: XLA:CPU fuses a
@@ -483,7 +526,14 @@ def _zeros_after(grads: PyTree, done: jax.Array | None) -> PyTree:
     nothing and copies; the values are zeros all the same."""
     if done is None:
         return jax.tree.map(jnp.zeros_like, grads)
-    return jax.tree.map(lambda g: lax.select(done, lax.full_like(g, 0), g), grads)
+    return jax.tree.map(
+        lambda g: (
+            _select_after(done, lax.full_like(g, 0), g)
+            if set(varying_axes(done) or ()) <= set(varying_axes(g) or ())
+            else jnp.zeros_like(g)
+        ),
+        grads,
+    )
 
 
 def _updates_reading_old_state(
@@ -572,7 +622,7 @@ def _after(
     out = list(state_leaves)
     for i in needs:
         leaf = out[i]
-        out[i] = cast_like(lax.select(token, leaf, lax.full_like(leaf, 0)), leaf)
+        out[i] = _select_after(token, leaf, lax.full_like(leaf, 0))
     return out, set(needs), set(read)
 
 

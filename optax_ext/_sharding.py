@@ -121,7 +121,11 @@ def sharded_type(struct: Any) -> bool:
 def varying_axes(x: Any) -> frozenset | None:
     """The mesh axes along which `x` may differ between devices inside
     `jax.shard_map` (its type's `vma`); None where the type does not say."""
-    aval = jax.typeof(x)
+    return aval_varying_axes(jax.typeof(x))
+
+
+def aval_varying_axes(aval: Any) -> frozenset | None:
+    """`varying_axes` of a value of type `aval`."""
     vma = getattr(aval, "vma", None)  # jax < 0.9
     if vma is None:  # jax >= 0.9
         vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)

@@ -605,3 +605,64 @@ def test_state_without_the_device_axis_is_rejected():
 
     with pytest.raises(ValueError, match=r"leading axis of length 1.*\['b1'\]"):
         jax.vmap(update, axis_name="data", axis_size=2, in_axes=None)(plain)
+
+
+MODEL_PARALLEL = {
+    "MultiSteps": lambda: optax_ext.MultiSteps(optax.adam(1e-2), 2),
+    "MultiSteps(lion)": lambda: optax_ext.MultiSteps(optax.lion(1e-3), 2),
+    "skip_when": lambda: optax_ext.skip_when(optax.adam(1e-2)),
+    "MultiSteps(skip_when)": lambda: optax_ext.MultiSteps(
+        optax_ext.skip_when(optax.adam(1e-2)), 2
+    ),
+}
+MODEL_PARALLEL_REFERENCE = {
+    "MultiSteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+    "MultiSteps(lion)": lambda: optax.MultiSteps(optax.lion(1e-3), 2),
+    "skip_when": lambda: optax.adam(1e-2),
+    "MultiSteps(skip_when)": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+}
+
+
+@pytest.mark.parametrize("form", ["update", "apply_gradients"])
+@pytest.mark.parametrize("name", MODEL_PARALLEL)
+def test_params_sharded_over_a_manual_axis(name, form):
+    """Inside a fully manual `jax.shard_map`, each device updating its own
+    slice of the params (model parallel, no `axis_name`): the conditional's
+    branches disagreed in type (the ordering token and the idle zero updates
+    were the same on every device, the running branch's values not) and
+    tracing failed. Reference: optax on one device with the whole params
+    (every optimizer here acts elementwise)."""
+    mesh = jax.make_mesh((N_DEVICES,), ("model",))
+    spec = P("model")
+    whole = {"w": jnp.linspace(-1.0, 2.0, 4 * N_DEVICES), "b": jnp.arange(8.0)}
+    params = jax.device_put(whole, NamedSharding(mesh, spec))
+    opt = MODEL_PARALLEL[name]()
+    state_spec = jax.tree.map(
+        lambda s: spec if s.ndim else P(),
+        jax.eval_shape(opt.init, jax.tree.map(jnp.zeros_like, whole)),
+    )
+    extra = {"skip": jnp.asarray(False)} if "skip_when" in name else {}
+
+    def loss(p):
+        return jnp.sum(p["w"] ** 2 * jnp.cos(p["w"])) + jnp.sum(jnp.sin(p["b"]))
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(spec, state_spec), out_specs=(spec, state_spec))
+    def step(p, s):
+        g = jax.grad(loss)(p)
+        if form == "apply_gradients":
+            return optax_ext.apply_gradients(opt, g, s, p, **extra)
+        updates, s = opt.update(g, s, p, **extra)
+        return optax.apply_updates(p, updates), s
+
+    state = jax.jit(
+        jax.shard_map(opt.init, mesh=mesh, in_specs=spec, out_specs=state_spec)
+    )(params)
+    reference = MODEL_PARALLEL_REFERENCE[name]()
+    want, want_state = whole, reference.init(whole)
+    for _ in range(4):
+        params, state = step(params, state)
+        updates, want_state = reference.update(jax.grad(loss)(want), want_state, want)
+        want = optax.apply_updates(want, updates)
+    for key in whole:
+        np.testing.assert_allclose(np.asarray(params[key]), want[key], rtol=1e-6)
