@@ -33,7 +33,32 @@ class OneView:
         return acc
 
     def check_gradients(self, grads: PyTree, acc: PyTree) -> None:
-        del grads, acc
+        """Under `shard_map`'s type checks, raises if the gradients differ
+        between devices along a mesh axis where the accumulator does not:
+        each device would fold its own gradients into what the state holds
+        as one accumulator for all (a data-parallel step without
+        `axis_name`)."""
+        for (path, g), a in zip(
+            jax.tree_util.tree_flatten_with_path(grads)[0],
+            jax.tree.leaves(acc),
+            strict=True,
+        ):
+            g_axes, a_axes = varying_axes(g), varying_axes(a)
+            if g_axes is None or a_axes is None:
+                return
+            extra = sorted(g_axes - a_axes, key=str)
+            if extra:
+                raise ValueError(
+                    "MultiSteps: inside `jax.shard_map`, the gradients at "
+                    f"{jax.tree_util.keystr(path) or 'the root'} differ between "
+                    f"devices along {extra}, but the accumulator for them in "
+                    "the state is the same on every device. To average the "
+                    "devices' gradients once per window, build MultiSteps "
+                    f"with axis_name={extra[0]!r} and its state with "
+                    "`opt.state_specs()`; for params that are split along "
+                    "that axis, build the state with `opt.init` inside "
+                    "`jax.shard_map` from those params, with their specs."
+                )
 
     def agree(self, should_skip: jax.Array) -> jax.Array:
         return should_skip
