@@ -349,6 +349,12 @@ def microbatched(
     - leaves that are not arrays (an Equinox model's activation functions,
       `None` gradients) are returned as `grad_fn` gives them.
 
+    An output with a row per example (per-example losses as aux, gradients
+    with respect to the batch itself) is averaged element by element like
+    any floating leaf, so it comes back with the rows of one micro-batch,
+    each the mean of `k` examples: not its whole-batch value. Reduce such
+    outputs over the rows inside `grad_fn`, or leave them out.
+
     Micro-batch `j` is the rows `j, j + k, j + 2k, ...` of the batch.
     Keyword arguments are passed to every call unchanged.
 
