@@ -4,7 +4,7 @@ they are averaged once per window."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import jax
@@ -13,6 +13,21 @@ from jax import lax
 from jaxtyping import PyTree
 
 from ._sharding import varying_axes, varying_call
+
+
+def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple[str, Any, Any]]:
+    """For each gradient leaf: where it is, and the mesh axes it and its
+    accumulator vary over inside `jax.shard_map`; nothing where the types do
+    not say (outside `shard_map`'s type checks)."""
+    for (path, g), a in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0],
+        jax.tree.leaves(acc),
+        strict=True,
+    ):
+        g_axes, a_axes = varying_axes(g), varying_axes(a)
+        if g_axes is None or a_axes is None:
+            return
+        yield jax.tree_util.keystr(path) or "the root", g_axes, a_axes
 
 
 class OneView:
@@ -38,19 +53,12 @@ class OneView:
         each device would fold its own gradients into what the state holds
         as one accumulator for all (a data-parallel step without
         `axis_name`)."""
-        for (path, g), a in zip(
-            jax.tree_util.tree_flatten_with_path(grads)[0],
-            jax.tree.leaves(acc),
-            strict=True,
-        ):
-            g_axes, a_axes = varying_axes(g), varying_axes(a)
-            if g_axes is None or a_axes is None:
-                return
+        for where, g_axes, a_axes in _varying_axes_of(grads, acc):
             extra = sorted(g_axes - a_axes, key=str)
             if extra:
                 raise ValueError(
                     "MultiSteps: inside `jax.shard_map`, the gradients at "
-                    f"{jax.tree_util.keystr(path) or 'the root'} differ between "
+                    f"{where} differ between "
                     f"devices along {extra}, but the accumulator for them in "
                     "the state is the same on every device. To average the "
                     "devices' gradients once per window, build MultiSteps "
@@ -116,19 +124,12 @@ class AxisView(OneView):
         respect to replicated params has then already summed them over the
         devices, and averaging them again would be silently wrong."""
         name = self.axis_name
-        for (path, g), a in zip(
-            jax.tree_util.tree_flatten_with_path(grads)[0],
-            jax.tree.leaves(acc),
-            strict=True,
-        ):
-            g_axes, a_axes = varying_axes(g), varying_axes(a)
-            if g_axes is None or a_axes is None:
-                return
+        for where, g_axes, a_axes in _varying_axes_of(grads, acc):
             if name in a_axes and name not in g_axes:
                 raise ValueError(
                     f"MultiSteps(axis_name={name!r}) accumulates each device's "
                     "own gradients and averages them once per window, but the "
-                    f"gradients at {jax.tree_util.keystr(path) or 'the root'} "
+                    f"gradients at {where} "
                     f"are the same on every device along {name!r}: under "
                     "`jax.shard_map`, `jax.grad` with respect to replicated "
                     "params sums the gradients over the devices already. Take "

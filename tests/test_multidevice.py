@@ -592,35 +592,12 @@ def test_device_gradients_without_axis_name_are_rejected(form):
     failed inside the conditional with a type mismatch naming neither. The
     error now names the axis and `axis_name`."""
     params, xs, ys = _problem(1)
-    mesh = _data_mesh()
     opt = optax_ext.MultiSteps(optax.adam(1e-2), K)
-    specs = opt.state_specs()
-    with jax.set_mesh(mesh):
-        params, state = _deferred_init(opt, params, mesh)
-
-        @jax.shard_map(
-            mesh=mesh,
-            in_specs=(P(), specs, P("data"), P("data")),
-            out_specs=(P(), specs),
-        )
-        def step(params, state, x, y):
-            grads = _local_grads(params, x, y)
-            if form == "apply_gradients":
-                return optax_ext.apply_gradients(opt, grads, state, params)
-            updates, state = opt.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
-        batch = NamedSharding(mesh, P("data"))
-        with pytest.raises(
-            ValueError,
-            match=r"differ between devices along \['data'\].*axis_name='data'",
-        ):
-            jax.jit(step)(
-                params,
-                state,
-                jax.device_put(xs[0], batch),
-                jax.device_put(ys[0], batch),
-            )
+    with pytest.raises(
+        ValueError,
+        match=r"differ between devices along \['data'\].*axis_name='data'",
+    ):
+        _train_deferred(opt, params, xs, ys, fused=form == "apply_gradients")
 
 
 def test_axis_name_outside_its_axis_is_rejected():
