@@ -43,6 +43,14 @@ def _is_mask_name(name: str) -> bool:
     return name == "mask" or name.endswith("_mask")
 
 
+def _called_as_function(mask: Any) -> bool:
+    """Whether `optax.masked` calls `mask` with the params: where every leaf
+    of it is callable (a function, or an Equinox module holding functions);
+    an Equinox model of bools is a tree of bools, though it is callable."""
+    leaves = jax.tree.leaves(jax.tree.map(callable, mask))
+    return bool(leaves) and all(leaves)
+
+
 def _is_dtype_like(value: Any) -> bool:
     return isinstance(value, (type, np.dtype))
 
@@ -535,9 +543,7 @@ class _Injection(Configured):
         for name, mask in self.passed.items():
             if not _is_mask_name(name) or mask is None:
                 continue
-            tree = mask
-            if callable(mask) and jax.tree.leaves(mask) == [mask]:
-                tree = mask(params)  # a function params -> mask
+            tree = mask(params) if _called_as_function(mask) else mask
             try:
                 jax.tree.map(lambda m, *_: m, tree, params)
             except (ValueError, TypeError) as error:

@@ -38,8 +38,19 @@ def _bool_net():
     return Net(True, False)  # a callable pytree: an Equinox model of bools
 
 
+class MaskFn(eqx.Module):
+    """A callable pytree whose leaves are all functions: optax.masked calls
+    it with the params, as it does a function."""
+
+    rule: Callable
+
+    def __call__(self, params):
+        return jax.tree.map(self.rule, params)
+
+
 MASKS = {
     "eqx-model": _bool_net,
+    "eqx-module-of-functions": lambda: MaskFn(lambda p: p.ndim == 2),
     "function": lambda: lambda params: jax.tree.map(lambda p: p.ndim == 2, params),
     "plain-pytree": lambda: jax.tree.map(lambda p: p.ndim == 2, _net()),
 }
