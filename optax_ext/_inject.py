@@ -419,9 +419,32 @@ class _Injection(Configured):
 
     def _store(self, name: str, value: Any, dtype: Any, where: str) -> jax.Array:
         """`value` as a strongly typed array of `dtype`; a cast to another
-        kind (a float into an int hyperparameter) is refused: it would change
-        the value silently."""
-        array = jnp.asarray(value)
+        kind (a float into an int hyperparameter, a bool into a number) is
+        refused: it would change the value silently. So is another shape
+        than the value given to the factory (written into the state, it
+        would broadcast into the updates and the params)."""
+        given = f"the value given to {self._name}: {self.arguments.get(name)!r}"
+        try:
+            array = jnp.asarray(value)
+        except TypeError:
+            raise _ArgumentError(
+                f"{where} holds {describe_value(value)}, but {name} is a numeric "
+                f"hyperparameter of dtype {dtype} ({given}). Write a number or "
+                "an array."
+            ) from None
+        shape = jnp.shape(self.numeric[name]) if name in self.numeric else ()
+        if array.shape != shape:
+            raise _ArgumentValueError(
+                f"{where} holds {describe_value(array)}, but {name} has shape "
+                f"{shape} ({given}); another shape would broadcast into the "
+                f"updates and the params. Write a value of shape {shape}."
+            )
+        if array.dtype == jnp.bool_ and dtype != jnp.bool_:
+            raise _ArgumentError(
+                f"{where} holds {describe_value(array)}, but {name} is a "
+                f"hyperparameter of dtype {dtype} ({given}); a bool would be "
+                "taken as 0 or 1. Write a number."
+            )
         if array.dtype != dtype and not jnp.can_cast(
             array.dtype, dtype, casting="same_kind"
         ):

@@ -130,6 +130,32 @@ def test_writing_a_float_into_an_integer_hyperparameter():
         jax.jit(opt.update)(G, state, P)
 
 
+@pytest.mark.parametrize(
+    "written, error, match",
+    [
+        (
+            jnp.full((2, 2), 1e-3, jnp.float32),
+            ValueError,
+            r"shape \(2, 2\).*shape \(\)",
+        ),
+        (jnp.full((1,), 1e-3, jnp.float32), ValueError, r"shape \(1,\).*shape \(\)"),
+        ("0.1", TypeError, r"'0.1' \(a str\).*Write a number"),
+        (jnp.asarray(True), TypeError, r"a bool would be taken as 0 or 1"),
+    ],
+    ids=["matrix", "vector", "string", "bool"],
+)
+def test_writing_a_value_of_another_shape_or_kind(written, error, match):
+    """Written into the state, a learning rate of shape (2, 2) broadcast the
+    updates and changed the params' shapes, one of shape (1,) retraced the
+    step, a string failed deep inside JAX and a bool was taken as 1.0 (as in
+    optax): each is refused, naming the entry."""
+    opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+    state = opt.init(P)
+    state.hyperparams["learning_rate"] = written
+    with pytest.raises(error, match=r"hyperparams\['learning_rate'\] holds .*" + match):
+        opt.update(G, state, P)
+
+
 def test_wrong_state():
     opt = optax_ext.inject_hyperparams(optax.adam)(learning_rate=0.1)
     with pytest.raises(
