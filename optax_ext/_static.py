@@ -12,22 +12,65 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import numpy as np
 import optax
 
 
-class ConfigKey:
-    """Wraps one configuration value: equal by value when the value is
-    hashable (numbers, strings, functions, tuples of those), by identity
-    otherwise (arrays, dicts, Equinox modules holding arrays)."""
+def _by_value(value: Any) -> Any:
+    """A hashable stand-in for `value` that equal configurations share: the
+    value itself where it is hashable (numbers, strings, functions, tuples of
+    those); else, for a pytree (a dict of bools, an Equinox model of bools, a
+    0-d array), its structure and its leaves, a 0-d array by its dtype and
+    value. `None` where a leaf is neither (a larger array): then the value
+    is compared by identity."""
+    try:
+        hash(value)
+        return (type(value), value)
+    except TypeError:
+        pass
+    leaves, treedef = jax.tree.flatten(value)
+    keys = []
+    for leaf in leaves:
+        if isinstance(leaf, np.ndarray | np.generic | jax.Array):
+            if np.ndim(leaf) != 0:
+                return None
+            try:
+                item = leaf.item()
+            except (
+                jax.errors.ConcretizationTypeError,
+                jax.errors.TracerArrayConversionError,
+            ):  # traced: compared by identity
+                return None
+            keys.append(("scalar", str(leaf.dtype), item))
+            continue
+        try:
+            hash(leaf)
+        except TypeError:
+            return None
+        keys.append((type(leaf), leaf))
+    try:
+        hash(treedef)
+    except TypeError:
+        return None
+    return (treedef, tuple(keys))
 
-    __slots__ = ("value", "_hash")
+
+class ConfigKey:
+    """Wraps one configuration value: equal by value where `_by_value` gives
+    it a stand-in (numbers, strings, functions, and pytrees of those and of
+    0-d arrays), by identity otherwise (larger arrays, Equinox modules
+    holding them)."""
+
+    __slots__ = ("_key", "_hash", "value")
 
     def __init__(self, value: Any):
         self.value = value
+        self._key = _by_value(value)
         try:
-            self._hash: int | None = hash((type(value), value))
+            self._hash: int | None = None if self._key is None else hash(self._key)
         except TypeError:
-            self._hash = None
+            self._key, self._hash = None, None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ConfigKey):
@@ -36,10 +79,8 @@ class ConfigKey:
             return True
         if self._hash is None or other._hash is None or self._hash != other._hash:
             return False
-        if type(self.value) is not type(other.value):
-            return False
         try:
-            return bool(self.value == other.value)
+            return bool(self._key == other._key)
         except Exception:  # an `==` that does not give a bool
             return False
 

@@ -250,6 +250,44 @@ def test_equal_configurations_do_not_recompile():
     assert optax.adam(1e-2) != optax.adam(1e-2)
 
 
+def test_equal_masks_and_array_scalars_make_equal_optimizers():
+    """A Flax-style dict of bools as a mask, or a learning rate given as
+    `jnp.float32(...)`, made two optimizers built alike compare unequal (by
+    identity), so a step taking the optimizer as a static argument compiled
+    again for each. They compare by value now; a larger array still by
+    identity, and a different value or dtype is a different optimizer."""
+
+    def make(lr=None, mask=None, k=2):
+        lr = jnp.float32(1e-2) if lr is None else lr
+        mask = {"a": True, "b": False} if mask is None else mask
+        inner = optax_ext.inject_hyperparams(optax.adamw)(lr, mask=mask)
+        return optax_ext.MultiSteps(inner, every_k_schedule=k)
+
+    assert make() == make() and hash(make()) == hash(make())
+    assert make(lr=jnp.float32(1e-3)) != make()
+    assert make(lr=jnp.bfloat16(1e-2)) != make()
+    assert make(mask={"a": True, "b": True}) != make()
+    vector = jnp.full(2, 1e-2)
+    assert optax_ext.inject_hyperparams(optax.sgd)(vector) == (
+        optax_ext.inject_hyperparams(optax.sgd)(vector)
+    )
+    assert optax_ext.inject_hyperparams(optax.sgd)(vector) != (
+        optax_ext.inject_hyperparams(optax.sgd)(jnp.full(2, 1e-2))
+    )
+
+    traces = []
+
+    @jax.jit(static_argnums=0)
+    def step(opt, state, g):
+        traces.append(None)
+        return opt.update(g, state, P)
+
+    state = make().init(P)
+    for _ in range(3):
+        _, state = step(make(), state, G[0])
+    assert len(traces) == 1
+
+
 class _Indexed(eqx.Module):
     """A model with an integer buffer and a PRNG key: `eqx.filter_grad` gives
     None for both, so every state must hold None there too."""
