@@ -251,7 +251,9 @@ def inject_hyperparams(
     factory does arithmetic on hyperparameters in Python (float64): adam's
     `1 - b2`. Name a hyperparameter in `static_args` to keep it a Python
     number. `hyperparam_dtype`, if given, must be a floating dtype: floating
-    hyperparameters are stored and handed in it, strongly typed, as in optax.
+    hyperparameters are stored and handed in it, strongly typed, as in optax;
+    as in optax too, one given as a strongly typed JAX array
+    (`jnp.float32(1e-3)`, or the value of an optax schedule) keeps its dtype.
 
     **Errors**, each naming the argument: a number given as a string, a
     non-floating `hyperparam_dtype` (at construction); a factory that does not
@@ -392,11 +394,18 @@ class _Injection(Configured):
 
     # -- the two forms of a hyperparameter ----------------------------------
 
-    def _storage_dtype(self, name: str, value: jax.Array) -> Any:
+    def _storage_dtype(self, name: str, value: jax.Array, given: Any) -> Any:
         """The dtype a hyperparameter is stored in: `hyperparam_dtype` for a
-        floating one if given, else the dtype of the value as given
+        floating one if given, unless it was `given` as a strongly typed JAX
+        array (a `jnp.float32(...)`, what an optax schedule returns), which
+        keeps its dtype, as in optax; else the dtype of the value as given
         (float32 for a Python float; float64 under x64)."""
-        if self.dtype is not None and jnp.issubdtype(value.dtype, jnp.floating):
+        strong_array = isinstance(given, jax.Array) and not is_weak(given)
+        if (
+            self.dtype is not None
+            and jnp.issubdtype(value.dtype, jnp.floating)
+            and not strong_array
+        ):
             return self.dtype
         return value.dtype
 
@@ -488,7 +497,7 @@ class _Injection(Configured):
                 f"The schedule given as {name} returned {describe_value(array)}; "
                 "a schedule must return a number (int, float or complex)."
             )
-        return self._store(name, array, self._storage_dtype(name, array), name)
+        return self._store(name, array, self._storage_dtype(name, array, value), name)
 
     def _hyperparams(
         self,
@@ -507,7 +516,7 @@ class _Injection(Configured):
         for n, given in self.numeric.items():
             if n not in numeric:
                 continue
-            dtype = self._storage_dtype(n, self._as_given(n, given))
+            dtype = self._storage_dtype(n, self._as_given(n, given), given)
             stored[n] = self._store(n, numeric[n], dtype, f"{where}[{n!r}]")
             handed[n] = self._hand(n, stored[n], n in self.weak)
         for n, schedule in self.schedules.items():

@@ -275,6 +275,35 @@ def test_weak_leaves_that_init_built_stay_weak(wrap):
             assert avals(updates) == avals(want)
 
 
+@pytest.mark.parametrize(
+    "learning_rate",
+    [1e-3, jnp.float32(1e-3), jnp.asarray(1e-3), SCHEDULE],
+    ids=["python-float", "strong-array", "weak-array", "schedule"],
+)
+def test_hyperparam_dtype_is_applied_as_in_optax(learning_rate):
+    """With `hyperparam_dtype=jnp.bfloat16`, optax casts Python floats and
+    weakly typed values but keeps a strongly typed array's dtype (what
+    `jnp.float32(...)` and optax's schedules give); optax_ext rounded every
+    float to bfloat16. Reference: optax.inject_hyperparams, bit for bit, in
+    the stored values and in the updates."""
+    params = {"w": jnp.array([1.0, -2.0, 0.5])}
+    grads = {"w": jnp.array([0.3, -0.1, 2.0])}
+    got_opt, want_opt = (
+        impl.inject_hyperparams(optax.sgd, hyperparam_dtype=jnp.bfloat16)(learning_rate)
+        for impl in (optax_ext, optax)
+    )
+    got_state, want_state = got_opt.init(params), want_opt.init(params)
+    for _ in range(2):
+        got, got_state = got_opt.update(grads, got_state, params)
+        want, want_state = want_opt.update(grads, want_state, params)
+        stored = got_state.hyperparams["learning_rate"]
+        expected = want_state.hyperparams["learning_rate"]
+        assert stored.dtype == expected.dtype, (stored.dtype, expected.dtype)
+        np.testing.assert_array_equal(to_np(stored), to_np(expected))
+        assert got["w"].dtype == want["w"].dtype
+        np.testing.assert_array_equal(to_np(got["w"]), to_np(want["w"]))
+
+
 def test_hypergradient_matches_hand_computation():
     """d/d lr of L(p - lr * g) is -g . grad L(p - lr * g); L = sum(x**2)/2."""
     p, g = jnp.array([1.0, -2.0, 3.0]), jnp.array([0.5, 0.25, -1.0])
