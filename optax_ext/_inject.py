@@ -9,6 +9,7 @@ factory's signature. The rule is in `inject_hyperparams`'s docstring.
 from __future__ import annotations
 
 import collections.abc
+import difflib
 import functools
 import inspect
 import numbers
@@ -313,7 +314,17 @@ def inject_hyperparams(
     def wrapped_factory(
         *args: Any, **kwargs: Any
     ) -> optax.GradientTransformationExtraArgs:
-        bound = signature.bind(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(
+                _binding_hint(
+                    error,
+                    signature,
+                    kwargs,
+                    getattr(inner_factory, "__name__", repr(inner_factory)),
+                )
+            ) from None
         bound.apply_defaults()
         injection = _Injection(
             inner_factory, signature, bound.arguments, static, hyperparam_dtype
@@ -321,6 +332,28 @@ def inject_hyperparams(
         return injection.as_transformation()
 
     return wrapped_factory
+
+
+def _binding_hint(
+    error: TypeError, signature: inspect.Signature, kwargs: dict[str, Any], name: str
+) -> str:
+    """`error` (from binding the factory's arguments), naming the keyword
+    arguments the factory does not take and the names they may stand for: a
+    misspelt `learning_rate` is reported as a missing one otherwise."""
+    accepts_any = any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
+    )
+    unknown = [] if accepts_any else sorted(set(kwargs) - set(signature.parameters))
+    if not unknown:
+        return str(error)
+    hints = []
+    for given in unknown:
+        close = difflib.get_close_matches(given, list(signature.parameters), n=1)
+        hints.append(f"{given!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (
+        f"{name}: {error}. It takes no argument named {', '.join(hints)}; "
+        f"its arguments are {', '.join(signature.parameters)}."
+    )
 
 
 class _Injection(Configured):

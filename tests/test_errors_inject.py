@@ -156,6 +156,28 @@ def test_writing_a_value_of_another_shape_or_kind(written, error, match):
         opt.update(G, state, P)
 
 
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"learnin_rate": 1e-3},
+            r"adamw: missing a required argument: 'learning_rate'.*"
+            r"'learnin_rate' \(did you mean 'learning_rate'\?\)",
+        ),
+        (
+            {"learning_rate": 1e-3, "weight_decy": 0.1},
+            r"'weight_decy' \(did you mean 'weight_decay'\?\)",
+        ),
+    ],
+    ids=["missing", "unexpected"],
+)
+def test_misspelt_argument_is_named(kwargs, match):
+    """`learnin_rate=1e-3` was reported as a missing `learning_rate` (as
+    optax reports it), naming neither the misspelt name nor the fix."""
+    with pytest.raises(TypeError, match=match):
+        optax_ext.inject_hyperparams(optax.adamw)(**kwargs)
+
+
 def test_wrong_state():
     opt = optax_ext.inject_hyperparams(optax.adam)(learning_rate=0.1)
     with pytest.raises(
