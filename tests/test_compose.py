@@ -220,6 +220,23 @@ def test_equinox_filter_jit_and_apply_updates():
     assert losses[-1] < 0.1 * losses[0]
 
 
+def _traces_over_rebuilds(make, forms):
+    """Traces of a jitted step taking the optimizer as a static argument,
+    over three optimizers built by `make`, each stepped in its `forms`."""
+    traces = []
+
+    @jax.jit(static_argnums=0)
+    def step(opt, state, g):
+        traces.append(None)
+        return opt.update(g, state, P)
+
+    state = make().init(P)
+    for _ in range(3):
+        for opt in forms(make()):
+            _, state = step(opt, state, G[0])
+    return len(traces)
+
+
 def test_equal_configurations_do_not_recompile():
     """upstream-optax.md item 10: two optimizers built alike are equal and hash
     alike, so a step taking the optimizer as a static argument compiles once."""
@@ -230,19 +247,11 @@ def test_equal_configurations_do_not_recompile():
         inner = optax_ext.inject_hyperparams(optax.adam)(lr)
         return optax_ext.MultiSteps(inner, every_k_schedule=k)
 
-    traces = []
-
-    @jax.jit(static_argnums=0)
-    def step(opt, state, g):
-        traces.append(None)
-        return opt.update(g, state, P)
-
-    state = make().init(P)
-    for _ in range(3):
-        opt = make()
-        _, state = step(opt, state, G[0])
-        _, state = step(opt.gradient_transformation(), state, G[0])
-    assert len(traces) == 2  # one for MultiSteps, one for its GradientTransformation
+    # One trace for MultiSteps, one for its GradientTransformation.
+    assert (
+        _traces_over_rebuilds(make, lambda opt: (opt, opt.gradient_transformation()))
+        == 2
+    )
     assert make() == make() and hash(make()) == hash(make())
     assert make(lr=1e-3) != make() and make(k=3) != make()
     assert optax_ext.zero_nans() == optax_ext.zero_nans()
@@ -275,17 +284,7 @@ def test_equal_masks_and_array_scalars_make_equal_optimizers():
         optax_ext.inject_hyperparams(optax.sgd)(jnp.full(2, 1e-2))
     )
 
-    traces = []
-
-    @jax.jit(static_argnums=0)
-    def step(opt, state, g):
-        traces.append(None)
-        return opt.update(g, state, P)
-
-    state = make().init(P)
-    for _ in range(3):
-        _, state = step(make(), state, G[0])
-    assert len(traces) == 1
+    assert _traces_over_rebuilds(make, lambda opt: (opt,)) == 1
 
 
 class _Indexed(eqx.Module):
