@@ -526,14 +526,8 @@ def _zeros_after(grads: PyTree, done: jax.Array | None) -> PyTree:
     nothing and copies; the values are zeros all the same."""
     if done is None:
         return jax.tree.map(jnp.zeros_like, grads)
-    return jax.tree.map(
-        lambda g: (
-            _select_after(done, lax.full_like(g, 0), g)
-            if set(varying_axes(done) or ()) <= set(varying_axes(g) or ())
-            else jnp.zeros_like(g)
-        ),
-        grads,
-    )
+    # `full_like` keeps `g`'s type, so `_select_after` judges by `g`.
+    return jax.tree.map(lambda g: _select_after(done, lax.full_like(g, 0), g), grads)
 
 
 def _updates_reading_old_state(

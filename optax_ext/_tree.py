@@ -160,16 +160,8 @@ def avals_key(tree: Any) -> tuple | None:
     """A hashable key of what tracing a function of `tree` depends on: its
     structure and each leaf's shape, dtype and weak type (Python numbers
     count as weakly typed); `None` where a leaf is not an array or number."""
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = []
-    for x in leaves:
-        try:
-            dtype = str(jnp.result_type(x))
-        except TypeError:
-            return None
-        weak = is_weak(x) or isinstance(x, int | float | complex)
-        keys.append((jnp.shape(x), dtype, weak))
-    return treedef, tuple(keys)
+    treedef, avals = state_record(tree)
+    return None if any(aval is None for aval in avals) else (treedef, avals)
 
 
 def cast_like(x: jax.Array, like: Any) -> jax.Array:
@@ -292,10 +284,10 @@ def check_updates_fit_params(updates: PyTree, kept: PyTree, who: str) -> None:
 
 
 def state_record(state: PyTree) -> tuple[Any, tuple]:
-    """What an `init` called on real params built: the state's tree
-    structure, and each leaf's (shape, dtype, weak type), `None` for a leaf
-    without a dtype (Python numbers count as weakly typed, as in
-    `avals_key`)."""
+    """A tree's structure and each leaf's (shape, dtype, weak type), `None`
+    for a leaf without a dtype (Python numbers count as weakly typed): of
+    the state an `init` called on real params built, for
+    `strong_as_recorded`, and the parts of `avals_key`."""
     leaves, treedef = jax.tree.flatten(state)
     avals = []
     for x in leaves:
