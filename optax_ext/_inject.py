@@ -392,8 +392,6 @@ class _Injection(Configured):
             for n, v in arguments.items()
             if kinds[n] in (_SCHEDULE, _STATEFUL)
         }
-        # Numbers `init` found the factory cannot take traced (`_traceable`).
-        self.untraceable: set[str] = set()
         # `_traceable`'s answers by `avals_key` of the params (it traces the
         # factory's init and update, once per kind of params).
         self._traceable_names: dict[tuple, tuple[str, ...]] = {}
@@ -597,7 +595,6 @@ class _Injection(Configured):
             traceable = dict(self.numeric)
         else:
             traceable = {n: v for n, v in self.numeric.items() if trial([n])}
-            self.untraceable = set(self.numeric) - set(traceable)
         if key is not None:
             self._traceable_names[key] = tuple(traceable)
         return traceable
@@ -620,14 +617,18 @@ class _Injection(Configured):
                     "of it), or a function params -> such a tree."
                 ) from None
 
-    def _check_names(self, hyperparams: Any) -> None:
+    def _check_names(self, hyperparams: Any, params: Any) -> None:
         """A name written into `state.hyperparams` that is not injected would
-        be ignored silently (optax ignores it): refuse it."""
+        be ignored silently (optax ignores it): refuse it. So is a number the
+        factory branches on in Python (`_traceable`, asked of `params` as
+        `init` asks it)."""
         unknown = sorted(set(hyperparams) - set(self.numeric) - set(self.schedules))
-        written_untraceable = sorted(set(hyperparams) & self.untraceable)
+        written = set(hyperparams) & set(self.numeric)
+        untraceable = written - set(self._traceable(params)) if written else set()
+        written_untraceable = sorted(untraceable)
         if not (unknown or written_untraceable):
             return
-        injected = (set(self.numeric) - self.untraceable) | set(self.schedules)
+        injected = (set(self.numeric) - untraceable) | set(self.schedules)
         missing = sorted(injected - set(hyperparams))
         if unknown and missing:
             raise TypeError(
@@ -641,7 +642,7 @@ class _Injection(Configured):
         raise KeyError(
             f"state.hyperparams holds {unknown or written_untraceable}, which "
             f"{self._name} does not take as an injected hyperparameter: the "
-            f"injected ones are {sorted(set(self.numeric) - self.untraceable)} "
+            f"injected ones are {sorted(set(self.numeric) - untraceable)} "
             f"and the schedules {sorted(self.schedules)}"
             + (
                 f"; {static} are passed to the factory unchanged (static)"
@@ -685,13 +686,15 @@ class _Injection(Configured):
                 f"returned by this optimizer's init or update; got "
                 f"{describe_value(state)}."
             )
-        self._check_names(state.hyperparams)
         kept = None if params is None else optimisable(params)
         check_updates_fit_params(
             updates, kept, f"inject_hyperparams({self._name}).update"
         )
         filled = fill_scalar_gaps(updates, params)
         inner_params = None if kept is None else strong_scalars(kept)
+        self._check_names(
+            state.hyperparams, filled if inner_params is None else inner_params
+        )
         stored, handed = self._hyperparams(
             state.hyperparams,
             state.hyperparams_states,

@@ -29,7 +29,6 @@ from ._static import Configured, config_key
 from ._tree import (
     accumulable,
     as_index,
-    avals_key,
     check_accumulator_dtype,
     check_same_shapes,
     check_same_structure,
@@ -38,7 +37,6 @@ from ._tree import (
     fill_untrained_gaps,
     restore_none,
     saturating_increment,
-    state_record,
     strong_as_recorded,
     widen,
 )
@@ -468,8 +466,7 @@ class MultiSteps(Configured):
             axis_name,
         )
         self._devices = view(axis_name)
-        # What `check_state_structure` expects, by the avals of the inner init's
-        # params; filled by `init`.
+        # `check_state_structure`'s answers by the avals of its template.
         self._inner_structures: dict[tuple, Any] = {}
 
     @property
@@ -489,9 +486,6 @@ class MultiSteps(Configured):
         self._devices.check_bound("init")
         acc_grads = _zero_accumulator(params, self._accumulator_dtype)
         inner_state = self._opt.init(params)
-        key = avals_key(params)
-        if key is not None:
-            self._inner_structures[key] = state_record(inner_state)
         gradient_step = jnp.zeros((), jnp.int32)
         _, skip_state = _should_skip(
             self._should_skip_update_fn,
@@ -578,6 +572,7 @@ class MultiSteps(Configured):
             state.inner_opt_state,
             acc_in if params is None else params,
             self._inner_structures,
+            is_params=params is not None,
             who="MultiSteps.update",
             state_name="state.inner_opt_state",
             owner="MultiSteps",

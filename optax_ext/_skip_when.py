@@ -12,14 +12,12 @@ from ._apply import apply_gradients, merge_trainable
 from ._conditional import check_transformation, update_if
 from ._static import Configured, config_key
 from ._tree import (
-    avals_key,
     check_state_structure,
     check_updates_fit_params,
     describe_value,
     fill_scalar_gaps,
     optimisable,
     restore_untrained,
-    state_record,
     strong_as_recorded,
     strong_scalars,
     trainable,
@@ -36,19 +34,13 @@ class _SkipWhen(Configured):
         self.inner = optax.with_extra_args_support(inner)
         self._fusable_inner = inner  # as given: see MultiSteps
         self.flag = flag
-        # `check_state_structure`'s record, by the avals of the updates;
-        # `init` records its own, so an update of params it has seen traces
-        # no second init.
+        # `check_state_structure`'s answers by the avals of its template.
         self._structures: dict = {}
         self._key = config_key(inner, flag)
 
     def init(self, params: optax.Params) -> optax.OptState:
         params = strong_scalars(optimisable(params))
-        state = self.inner.init(params)
-        key = avals_key(params)
-        if key is not None:
-            self._structures[key] = state_record(state)
-        return state
+        return self.inner.init(params)
 
     def update(
         self,
@@ -69,6 +61,7 @@ class _SkipWhen(Configured):
             filled if kept is None else inner_params,
             "skip_when.update",
             "state",
+            is_params=kept is not None,
         )
 
         def inner_update(grads, inner_state):
@@ -93,7 +86,11 @@ class _SkipWhen(Configured):
         kept = optimisable(params)
         check_updates_fit_params(grads, kept, "optax_ext.apply_gradients")
         record = self._check_state(
-            state, strong_scalars(kept), "optax_ext.apply_gradients", "opt_state"
+            state,
+            strong_scalars(kept),
+            "optax_ext.apply_gradients",
+            "opt_state",
+            is_params=True,
         )
         arrays = trainable(params)
 
@@ -108,7 +105,9 @@ class _SkipWhen(Configured):
         new_state = strong_as_recorded(new_state, record)
         return merge_trainable(params, new_arrays), new_state
 
-    def _check_state(self, state: Any, template: Any, who: str, state_name: str) -> Any:
+    def _check_state(
+        self, state: Any, template: Any, who: str, state_name: str, *, is_params: bool
+    ) -> Any:
         """Checks `state` against what `inner.init` builds from params like
         `template`; returns the record for `_tree.strong_as_recorded`."""
         return check_state_structure(
@@ -116,6 +115,7 @@ class _SkipWhen(Configured):
             state,
             template,
             self._structures,
+            is_params=is_params,
             who=who,
             state_name=state_name,
             owner="skip_when",

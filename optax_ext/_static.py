@@ -4,12 +4,16 @@ optimizer as a static argument does not recompile for an equal optimizer.
 optax transformations are closures: two `optax.adam(1e-3)` are unequal and
 hash differently (optax issues #197, #353, #577; equinox #940). The
 transformations of this package compare equal when they were built from
-equal configurations.
+equal configurations, where "equal" means "builds the same program for the
+same inputs": only immutable, concrete values are compared by value; a
+traced value (any tracer: jit, grad, vmap, linearize) is compared by
+identity and never read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Any
 
 import jax
@@ -17,75 +21,90 @@ import numpy as np
 import optax
 
 
-def _by_value(value: Any) -> Any:
-    """A hashable stand-in for `value` that equal configurations share: the
-    value itself where it is hashable (numbers, strings, functions, tuples of
-    those); else, for a pytree (a dict of bools, an Equinox model of bools, a
-    0-d array), its structure and its leaves, a 0-d array by its dtype and
-    value. `None` where a leaf is neither (a larger array): then the value
-    is compared by identity."""
+class _ByIdentity(Exception):
+    """A configuration value that is not compared by value."""
+
+
+def _array_key(x: np.ndarray | np.generic | jax.Array) -> tuple:
+    """A concrete scalar array (or a single typed PRNG key) by its kind
+    (NumPy or JAX), dtype, weak type and bits. A writeable NumPy array can
+    change after the optimizer was built, and a larger array is compared by
+    identity, as is one whose value cannot be read here (deleted, or not
+    addressable from this process)."""
+    kind = "jax" if isinstance(x, jax.Array) else "numpy"
+    if np.ndim(x) != 0 or (isinstance(x, np.ndarray) and x.flags.writeable):
+        raise _ByIdentity
     try:
-        hash(value)
-        return (type(value), value)
-    except TypeError:
-        pass
-    leaves, treedef = jax.tree.flatten(value)
-    keys = []
-    for leaf in leaves:
-        if isinstance(leaf, np.ndarray | np.generic | jax.Array):
-            if np.ndim(leaf) != 0:
-                return None
-            try:
-                item = leaf.item()
-            except (
-                jax.errors.ConcretizationTypeError,
-                jax.errors.TracerArrayConversionError,
-            ):  # traced: compared by identity
-                return None
-            keys.append(("scalar", str(leaf.dtype), item))
-            continue
-        try:
-            hash(leaf)
-        except TypeError:
-            return None
-        keys.append((type(leaf), leaf))
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = np.asarray(jax.random.key_data(x))
+            return (kind, "key", str(jax.random.key_impl(x)), data.tobytes())
+        bits = np.asarray(x)
+    except Exception as error:  # noqa: BLE001 - unreadable: by identity
+        raise _ByIdentity from error
+    weak = bool(getattr(x, "weak_type", False))
+    return (kind, str(bits.dtype), weak, bits.tobytes())
+
+
+def _leaf_key(leaf: Any) -> tuple:
+    """What a configuration leaf is compared by; `_ByIdentity` where it is
+    not compared by value. Python numbers carry their type (1, 1.0 and True
+    differ), floats their bits (NaN equals NaN, 0.0 differs from -0.0)."""
+    if isinstance(leaf, jax.core.Tracer):
+        raise _ByIdentity
+    kind = type(leaf)
+    if kind is float:
+        return (kind, struct.pack("<d", leaf))
+    if kind is complex:
+        return (kind, struct.pack("<dd", leaf.real, leaf.imag))
+    if isinstance(leaf, np.ndarray | np.generic | jax.Array):
+        return _array_key(leaf)
     try:
-        hash(treedef)
-    except TypeError:
+        hash(leaf)  # ints, strings, None, dtypes, functions, frozen objects
+    except TypeError as error:
+        raise _ByIdentity from error
+    return (kind, leaf)
+
+
+def _by_value(value: Any) -> tuple | None:
+    """A hashable stand-in for `value` that equal configurations share: its
+    pytree structure and `_leaf_key` of each leaf; `None` where any leaf
+    (or the structure) is compared by identity, and then the whole value
+    is."""
+    try:
+        leaves, treedef = jax.tree.flatten(value)
+        keys = tuple(_leaf_key(leaf) for leaf in leaves)
+        key = (treedef, keys)
+        hash(key)
+    except (_ByIdentity, TypeError):
         return None
-    return (treedef, tuple(keys))
+    return key
 
 
 class ConfigKey:
     """Wraps one configuration value: equal by value where `_by_value` gives
-    it a stand-in (numbers, strings, functions, and pytrees of those and of
-    0-d arrays), by identity otherwise (larger arrays, Equinox modules
-    holding them)."""
+    it a stand-in, by identity otherwise. Equal keys hash equal."""
 
-    __slots__ = ("_key", "_hash", "value")
+    __slots__ = ("_hash", "_key", "value")
 
     def __init__(self, value: Any):
         self.value = value
         self._key = _by_value(value)
-        try:
-            self._hash: int | None = None if self._key is None else hash(self._key)
-        except TypeError:
-            self._key, self._hash = None, None
+        self._hash = id(value) if self._key is None else hash(self._key)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ConfigKey):
             return NotImplemented
-        if self.value is other.value:
-            return True
-        if self._hash is None or other._hash is None or self._hash != other._hash:
+        if self._key is None or other._key is None:
+            return self.value is other.value
+        if self._hash != other._hash:
             return False
         try:
             return bool(self._key == other._key)
-        except Exception:  # an `==` that does not give a bool
+        except Exception:  # noqa: BLE001 - a leaf whose `==` gives no bool
             return False
 
     def __hash__(self) -> int:
-        return self._hash if self._hash is not None else id(self.value)
+        return self._hash
 
 
 def config_key(*values: Any) -> tuple[ConfigKey, ...]:

@@ -308,33 +308,33 @@ def check_state_structure(
     template: PyTree,
     known: dict,
     *,
+    is_params: bool,
     who: str,
     state_name: str,
     owner: str,
 ) -> tuple[Any, tuple | None] | None:
     """Raises a `TypeError` if `state` is not shaped like what `init` builds
     from params shaped like `template` (another optimizer's state was
-    passed). Returns what `known` holds for such params: the `state_record`
-    an `init` of this optimizer recorded, or the structure alone (`(treedef,
-    None)`) where it was traced here; `None` where it cannot be had without
-    real params.
+    passed). Returns the `state_record` of that state, traced abstractly
+    from `template`: with each leaf's avals where `is_params` (`template`
+    is what `init` is given), the structure alone (`(treedef, None)`) where
+    it stands in for them (the accumulator, say: its dtypes need not be the
+    params'); `None` where `init` cannot be traced without real params.
 
-    `known` maps `avals_key` of an init's params to that record (an `init`
-    records its own), so `init` is traced again only for params it has not
-    seen (an Adam init is cheap; an injected one traces its factory)."""
+    `known` is a cache of these answers by `avals_key` of `template`: a
+    miss computes what a hit returns, so an optimizer behaves the same
+    whether or not it ran `init` itself."""
     key = avals_key(template)
+    key = None if key is None else (is_params, key)
     if key is not None and key in known:
         record = known[key]
     else:
-        shapes = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), template
-        )
         try:
-            # The structure alone: traced on strongly typed templates, the
-            # leaves' weak types need not be those of the state's own init.
-            record = (jax.tree.structure(jax.eval_shape(init, shapes)), None)
+            record = state_record(jax.eval_shape(init, template))
         except Exception:  # noqa: BLE001 - an init that needs real params
             record = None  # no check
+        if record is not None and not is_params:
+            record = (record[0], None)
         if key is not None:
             known[key] = record
     if record is None:
