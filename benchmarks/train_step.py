@@ -33,7 +33,12 @@ donated, the gradients passed in (not donated: they are reused):
 - `optax eqx` / `ext eqx`: the same on an Equinox module holding the params
   and an activation function, with `eqx.apply_updates`;
 - `optax update` / `ext update`: `jax.jit(opt.update, donate_argnums=1)`,
-  the state donated and the params not (the form some code bases use).
+  the state donated and the params not (the form some code bases use);
+- `plain` / `plain fused`: `plain_multi_steps`, the simplest accumulation
+  one would write with a `lax.cond` (the fold outside it, the inner
+  optimizer inside, the accumulator cleared by selection; zero updates in
+  the idle branch, or the params carried through it): what optax_ext's
+  ordering machinery must beat to pay for itself.
 
 each as a mini-step (`every_k_schedule` never reached) and as an emitting
 step (`every_k_schedule=1`). Compiled temporary memory is
@@ -116,6 +121,58 @@ def accumulate_transform() -> optax.GradientTransformation:
     return optax.GradientTransformation(init, fold)  # update: see `steps`
 
 
+def plain_multi_steps(inner: optax.GradientTransformation, k: int):
+    """A ~40-line MultiSteps with one plain `lax.cond`: `(init, update,
+    apply)`, `apply` returning the new params (the fused form)."""
+
+    def init(params):
+        acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        return jnp.zeros((), jnp.int32), acc, inner.init(params)
+
+    def fold(grads, state):
+        n, acc, inner_state = state
+
+        def one(a, g):
+            g = g.astype(a.dtype)
+            return jnp.where(n == 0, g, a + (g - a) / (n + 1).astype(a.dtype))
+
+        return n, jax.tree.map(one, acc, grads), inner_state, n + 1 >= k
+
+    def mean(acc, params):
+        return jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+
+    def finish(n, acc, emit, inner_state):
+        acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc)
+        return jnp.where(emit, 0, n + 1), acc, inner_state
+
+    def update(grads, state, params):
+        n, acc, inner_state, emit = fold(grads, state)
+
+        def run(acc, inner_state):
+            return inner.update(mean(acc, params), inner_state, params)
+
+        def idle(acc, inner_state):
+            return jax.tree.map(jnp.zeros_like, params), inner_state
+
+        updates, inner_state = jax.lax.cond(emit, run, idle, acc, inner_state)
+        return updates, finish(n, acc, emit, inner_state)
+
+    def apply(grads, state, params):
+        n, acc, inner_state, emit = fold(grads, state)
+
+        def run(acc, inner_state, params):
+            updates, inner_state = inner.update(mean(acc, params), inner_state, params)
+            return optax.apply_updates(params, updates), inner_state
+
+        def idle(acc, inner_state, params):
+            return params, inner_state
+
+        params, inner_state = jax.lax.cond(emit, run, idle, acc, inner_state, params)
+        return params, finish(n, acc, emit, inner_state)
+
+    return init, update, apply
+
+
 def steps(inner: str, emit: bool) -> dict[str, tuple[Callable, Callable]]:
     """name -> (init(params), step(params, state, grads) -> (params, state))."""
     make = INNER[inner]
@@ -140,6 +197,14 @@ def steps(inner: str, emit: bool) -> dict[str, tuple[Callable, Callable]]:
 
     acc = accumulate_transform()
     held = make()
+    plain_init, plain_update, plain_apply = plain_multi_steps(make(), k)
+
+    def plain(params, state, grads):
+        updates, state = plain_update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def plain_fused(params, state, grads):
+        return plain_apply(grads, state, params)
 
     def accumulate(params, state, grads):
         return params, acc.update(grads, state)
@@ -191,6 +256,8 @@ def steps(inner: str, emit: bool) -> dict[str, tuple[Callable, Callable]]:
         "ext eqx": eqx_step(optax_ext.MultiSteps(make(), k)),
         "optax update": update_only(optax.MultiSteps(make(), k)),
         "ext update": update_only(optax_ext.MultiSteps(make(), k)),
+        "plain": (plain_init, plain),
+        "plain fused": (plain_init, plain_fused),
     }
     if emit:
         out["bare"] = train_step(make())
@@ -351,6 +418,20 @@ def summary(results: dict) -> list[str]:
             "",
         ),
     ]
+    if all("plain mini" in m for m in ms):
+        for form, ext, plain in (
+            ("drop-in", "ext", "plain"),
+            ("fused", "ext fused", "plain fused"),
+        ):
+            for step in ("mini", "emit"):
+                rows.append(
+                    (
+                        f"plain `lax.cond` {form} {step}-step / optax_ext {form}",
+                        [m[f"{plain} {step}"] / m[f"{ext} {step}"] for m in ms],
+                        lambda r: r >= 1.0,
+                        "optax_ext at least as fast",
+                    )
+                )
     out = [
         "## Summary",
         "",
@@ -420,8 +501,30 @@ def write_tables(results: dict, path: Path, measured_on: str | None = None) -> s
         "| temp: optax |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    t4 = [
+        "## Against a plain `lax.cond` MultiSteps",
+        "",
+        "`plain_multi_steps` (see the script): time ratios plain / optax_ext "
+        "(above 1: optax_ext faster) and compiled temporary memory in MiB.",
+        "",
+        "| inner | params | dtype | drop-in mini | drop-in emit | fused mini "
+        "| fused emit | temp: plain drop-in | temp: ext drop-in "
+        "| temp: plain fused | temp: ext fused |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for (inner, layout, dtype), r in rows:
         ms = {k: v["ms"] for k, v in r.items()}
+        if "plain mini" in ms:
+            tm = {k: v["temp_mb"] for k, v in r.items()}
+            t4.append(
+                f"| {inner} | {layout} | {dtype} | "
+                f"{_ratio(ms['plain mini'], ms['ext mini'])} | "
+                f"{_ratio(ms['plain emit'], ms['ext emit'])} | "
+                f"{_ratio(ms['plain fused mini'], ms['ext fused mini'])} | "
+                f"{_ratio(ms['plain fused emit'], ms['ext fused emit'])} | "
+                f"{tm['plain mini']:.2f} | {tm['ext mini']:.2f} | "
+                f"{tm['plain fused mini']:.2f} | {tm['ext fused mini']:.2f} |"
+            )
         temp = {k: v["temp_mb"] for k, v in r.items()}
         key = f"| {inner} | {layout} | {dtype} |"
         t1.append(
@@ -448,7 +551,10 @@ def write_tables(results: dict, path: Path, measured_on: str | None = None) -> s
             f"{temp['ext fused mini']:.2f} | {temp['ext mini']:.2f} | "
             f"{temp['optax mini']:.2f} |"
         )
-    text = "\n".join(head + summary(results) + t1 + [""] + t2 + [""] + t3) + "\n"
+    tables = t1 + [""] + t2 + [""] + t3
+    if len(t4) > 7:
+        tables += [""] + t4
+    text = "\n".join(head + summary(results) + tables) + "\n"
     path.write_text(text)
     return text
 
