@@ -1,5 +1,6 @@
 """The documentation runs: every Python block of README.md and docs/*.md, the
-examples in the public docstrings, and the benchmark figures the pages include.
+examples in the public docstrings, and the benchmark figures the pages include;
+and the hand-written API page (docs/api.md) gives the code's signatures.
 
 Each page's ```python blocks run in page order in one namespace, as a reader
 would run them (Sybil's Markdown parsers). A block that cannot run here says
