@@ -1,5 +1,6 @@
 """The documentation runs: every Python block of README.md and docs/*.md, the
-examples in the public docstrings, and the benchmark figures the pages include.
+examples in the public docstrings, and the benchmark figures the pages include;
+and the hand-written API page (docs/api.md) gives the code's signatures.
 
 Each page's ```python blocks run in page order in one namespace, as a reader
 would run them (Sybil's Markdown parsers). A block that cannot run here says
@@ -8,6 +9,7 @@ so in the page with `<!-- skip: next "why" -->` in front of it; shell blocks
 the multi-device process (see `test_multidevice_runner.py`).
 """
 
+import ast
 import importlib.util
 import inspect
 import pathlib
@@ -239,11 +241,181 @@ def test_sync_docs_finds_and_refreshes_a_stale_include(tmp_path):
         )
 
 
+def test_readme_performance_figures_come_from_the_results_files():
+    """The README's performance summary is written by hand (short, terms
+    defined); every figure in it must still appear in a file of
+    benchmarks/results/, so a new benchmark run that changes one fails here
+    until the README is updated."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Performance\n", 1)[1].split("\n## ", 1)[0]
+    results = "\n".join(
+        p.read_text() for p in sorted((ROOT / "benchmarks" / "results").glob("*.md"))
+    )
+    figures = re.findall(r"(?<![\w.])\d+\.\d+(?![\w.])", section)
+    assert len(figures) >= 10, figures
+    missing = [
+        f
+        for f in figures
+        if not re.search(rf"(?<![\w.]){re.escape(f)}(?![\w.])", results)
+    ]
+    assert missing == [], (
+        f"README's performance figures not in benchmarks/results/*.md: {missing}"
+    )
+
+
 # --- the API page and the list of pages ---------------------------------------
 
 
-def test_api_page_documents_every_public_name():
+# A signature on the API page: a ```text block holding `optax_ext.NAME(...)`
+# or `Class.method(...)`, with an optional `-> return annotation`.
+SIGNATURE_BLOCK = re.compile(
+    r"^```text\n(?P<name>(?:optax_ext\.)?\w+(?:\.\w+)?)(?P<rest>\(.*?)\n```\n"
+    r"\n(?P<summary>\S[^\n]*)",
+    re.DOTALL | re.MULTILINE,
+)
+# Names a written default may use.
+_DEFAULT_NAMES = {"jax": jax, "jnp": jax.numpy}
+
+
+def _public_callables() -> dict[str, object]:
+    """`NAME` for every public name, and `Class.method` for the public
+    methods of public classes: what the API page must give a signature for."""
+    found = {}
+    for name in optax_ext.__all__:
+        obj = getattr(optax_ext, name)
+        found[name] = obj
+        if inspect.isclass(obj):
+            for attr, member in vars(obj).items():
+                if not attr.startswith("_") and inspect.isfunction(member):
+                    found[f"{name}.{attr}"] = member
+    return found
+
+
+def _annotation(annotation) -> str | None:
+    """An annotation as source text, normalised by `ast` (the package's
+    annotations are strings: `from __future__ import annotations`)."""
+    if annotation is inspect.Parameter.empty:
+        return None
+    text = (
+        annotation
+        if isinstance(annotation, str)
+        else inspect.formatannotation(annotation)
+    )
+    return ast.unparse(ast.parse(text, mode="eval"))
+
+
+def _code_signature(name: str, obj) -> list:
+    """(parameter name, kind, annotation, default) for each parameter, then
+    the return annotation: what the code says."""
+    signature = inspect.signature(obj)
+    parameters = list(signature.parameters.values())
+    if "." in name:  # a method: drop `self`
+        parameters = parameters[1:]
+    described = [
+        (
+            p.name,
+            p.kind,
+            _annotation(p.annotation),
+            "<none>" if p.default is inspect.Parameter.empty else p.default,
+        )
+        for p in parameters
+    ]
+    returns = None if inspect.isclass(obj) else signature.return_annotation
+    return [*described, ("->", _annotation(returns) if returns else None)]
+
+
+def _written_signature(rest: str) -> list:
+    """The same description, parsed from the page's `(...) -> ...`."""
+    (function,) = ast.parse(f"def f{rest}: ...").body
+    args = function.args
+    kind = inspect.Parameter
+    positional = [(a, kind.POSITIONAL_ONLY) for a in args.posonlyargs] + [
+        (a, kind.POSITIONAL_OR_KEYWORD) for a in args.args
+    ]
+    defaults = [None] * (len(positional) - len(args.defaults)) + args.defaults
+    entries = list(zip(positional, defaults, strict=True))
+    if args.vararg:
+        entries.append(((args.vararg, kind.VAR_POSITIONAL), None))
+    entries += [
+        ((a, kind.KEYWORD_ONLY), d)
+        for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+    ]
+    if args.kwarg:
+        entries.append(((args.kwarg, kind.VAR_KEYWORD), None))
+    described = [
+        (
+            arg.arg,
+            k,
+            ast.unparse(arg.annotation) if arg.annotation else None,
+            "<none>"
+            if default is None
+            else eval(ast.unparse(default), dict(_DEFAULT_NAMES)),
+        )
+        for (arg, k), default in entries
+    ]
+    returns = ast.unparse(function.returns) if function.returns else None
+    return [*described, ("->", returns)]
+
+
+def _api_page_signatures() -> dict[str, re.Match]:
     text = (ROOT / "docs" / "api.md").read_text()
+    written = {}
+    for match in SIGNATURE_BLOCK.finditer(text):
+        name = match["name"].removeprefix("optax_ext.")
+        assert name not in written, f"docs/api.md gives {name} twice"
+        written[name] = match
+    return written
+
+
+def test_api_page_gives_every_public_name_with_its_signature():
+    """docs/api.md, readable without mkdocs, writes each public name's (and
+    public method's) signature by hand, followed by a summary: each must
+    equal the code's (names, kinds, annotations, defaults, return
+    annotation), and nothing else may be documented there."""
+    written = _api_page_signatures()
+    expected = _public_callables()
+    assert sorted(written) == sorted(expected), (
+        "docs/api.md must give a signature for exactly the public names and "
+        f"methods: missing {sorted(set(expected) - set(written))}, "
+        f"not public {sorted(set(written) - set(expected))}"
+    )
+    for name, obj in expected.items():
+        match = written[name]
+        assert _written_signature(match["rest"]) == _code_signature(name, obj), (
+            f"docs/api.md: the signature of {name} differs from the code's "
+            f"{inspect.signature(obj)}"
+        )
+        assert match["summary"].strip(), f"docs/api.md: {name} has no summary"
+
+
+def test_api_page_signature_check_sees_a_wrong_default_or_annotation():
+    """The comparison above is not blind: a changed default, annotation,
+    kind or parameter name reads as a difference."""
+    code = _code_signature("skip_when", optax_ext.skip_when)
+    right = (
+        "(inner: optax.GradientTransformation, flag: str = 'skip')"
+        " -> optax.GradientTransformationExtraArgs"
+    )
+    assert _written_signature(right) == code
+    for wrong in [
+        right.replace("'skip'", "'skip_'"),
+        right.replace("flag: str", "flag: bool"),
+        right.replace("flag", "name"),
+        right.replace("(inner", "(*, inner"),
+        right.replace(" -> optax.GradientTransformationExtraArgs", ""),
+    ]:
+        assert _written_signature(wrong) != code, wrong
+    # A default written as an expression (`jnp.float32`) is evaluated.
+    code = _code_signature("MultiSteps", optax_ext.MultiSteps)
+    page = _api_page_signatures()["MultiSteps"]["rest"]
+    assert _written_signature(page) == code
+    assert _written_signature(page.replace("jnp.float32", "jnp.bfloat16")) != code
+
+
+def test_reference_page_renders_every_public_name():
+    """docs/reference.md holds the mkdocstrings directive of every public
+    name (the site renders their docstrings there)."""
+    text = (ROOT / "docs" / "reference.md").read_text()
     documented = re.findall(r"^::: optax_ext\.(\w+)$", text, re.MULTILINE)
     assert sorted(documented) == sorted(optax_ext.__all__)
 
