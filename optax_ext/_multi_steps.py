@@ -38,6 +38,7 @@ from ._tree import (
     restore_none,
     saturating_increment,
     strong_as_recorded,
+    traced_state_record,
     widen,
 )
 
@@ -486,6 +487,9 @@ class MultiSteps(Configured):
         self._devices.check_bound("init")
         acc_grads = _zero_accumulator(params, self._accumulator_dtype)
         inner_state = self._opt.init(params)
+        traced_state_record(
+            self._opt.init, params, self._inner_structures, is_params=True
+        )
         gradient_step = jnp.zeros((), jnp.int32)
         _, skip_state = _should_skip(
             self._should_skip_update_fn,

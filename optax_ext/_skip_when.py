@@ -20,6 +20,7 @@ from ._tree import (
     restore_untrained,
     strong_as_recorded,
     strong_scalars,
+    traced_state_record,
     trainable,
 )
 
@@ -40,6 +41,7 @@ class _SkipWhen(Configured):
 
     def init(self, params: optax.Params) -> optax.OptState:
         params = strong_scalars(optimisable(params))
+        traced_state_record(self.inner.init, params, self._structures, is_params=True)
         return self.inner.init(params)
 
     def update(

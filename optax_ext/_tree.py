@@ -302,6 +302,34 @@ def state_record(state: PyTree) -> tuple[Any, tuple]:
     return treedef, tuple(avals)
 
 
+def traced_state_record(
+    init: Any, template: PyTree, known: dict, *, is_params: bool
+) -> tuple[Any, tuple | None] | None:
+    """The `state_record` of what `init` builds from params like `template`,
+    traced abstractly: with each leaf's avals where `is_params` (`template`
+    is what `init` is given), the structure alone (`(treedef, None)`) where
+    it stands in for them (the accumulator, say: its dtypes need not be the
+    params'); `None` where `init` cannot be traced without real params.
+
+    `known` caches the answers by `avals_key` of `template`; `init` fills
+    it with the same call, so the step traces no inner init for params
+    `init` has seen, and an optimizer that never ran `init` computes the
+    same record."""
+    key = avals_key(template)
+    key = None if key is None else (is_params, key)
+    if key is not None and key in known:
+        return known[key]
+    try:
+        record = state_record(jax.eval_shape(init, template))
+    except Exception:  # noqa: BLE001 - an init that needs real params
+        record = None  # no check
+    if record is not None and not is_params:
+        record = (record[0], None)
+    if key is not None:
+        known[key] = record
+    return record
+
+
 def check_state_structure(
     init: Any,
     state: PyTree,
@@ -315,28 +343,9 @@ def check_state_structure(
 ) -> tuple[Any, tuple | None] | None:
     """Raises a `TypeError` if `state` is not shaped like what `init` builds
     from params shaped like `template` (another optimizer's state was
-    passed). Returns the `state_record` of that state, traced abstractly
-    from `template`: with each leaf's avals where `is_params` (`template`
-    is what `init` is given), the structure alone (`(treedef, None)`) where
-    it stands in for them (the accumulator, say: its dtypes need not be the
-    params'); `None` where `init` cannot be traced without real params.
-
-    `known` is a cache of these answers by `avals_key` of `template`: a
-    miss computes what a hit returns, so an optimizer behaves the same
-    whether or not it ran `init` itself."""
-    key = avals_key(template)
-    key = None if key is None else (is_params, key)
-    if key is not None and key in known:
-        record = known[key]
-    else:
-        try:
-            record = state_record(jax.eval_shape(init, template))
-        except Exception:  # noqa: BLE001 - an init that needs real params
-            record = None  # no check
-        if record is not None and not is_params:
-            record = (record[0], None)
-        if key is not None:
-            known[key] = record
+    passed). Returns `traced_state_record`'s record, for
+    `strong_as_recorded`."""
+    record = traced_state_record(init, template, known, is_params=is_params)
     if record is None:
         return None
     got, expected = jax.tree.structure(state), record[0]

@@ -47,9 +47,9 @@ def test_hypergradient_not_shared_with_an_equal_valued_optimizer():
     handed it the other's compile and the hypergradient was 0."""
     keep = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=jnp.float32(0.1))
     jax.jit(keep.init)(P)  # an ordinary optimizer, still alive
-    got = jax.grad(functools.partial(_loss_after_one_step, optax_ext.inject_hyperparams))(
-        jnp.float32(0.1)
-    )
+    got = jax.grad(
+        functools.partial(_loss_after_one_step, optax_ext.inject_hyperparams)
+    )(jnp.float32(0.1))
     expected = jax.grad(
         functools.partial(_loss_after_one_step, optax.inject_hyperparams)
     )(jnp.float32(0.1))
@@ -90,7 +90,10 @@ def test_meta_learning_matches_optax(static, jit_grad):
         return jnp.sum(step(opt, P)["w"] ** 2)
 
     results = {}
-    for name, inject in (("ext", optax_ext.inject_hyperparams), ("optax", optax.inject_hyperparams)):
+    for name, inject in (
+        ("ext", optax_ext.inject_hyperparams),
+        ("optax", optax.inject_hyperparams),
+    ):
         step = make_step(inject)
         plain = step(inject(optax.sgd)(learning_rate=jnp.float32(0.1)), P)
         grad = jax.grad(functools.partial(meta_loss, inject, step))
@@ -136,7 +139,9 @@ def test_typed_prng_key_argument():
     assert opt == build(learning_rate=0.1, key=jax.random.key(0))
     assert hash(opt) == hash(build(learning_rate=0.1, key=jax.random.key(0)))
     assert opt != build(learning_rate=0.1, key=jax.random.key(1))
-    ref = optax.inject_hyperparams(optax.noisy_sgd)(learning_rate=0.1, key=jax.random.key(0))
+    ref = optax.inject_hyperparams(optax.noisy_sgd)(
+        learning_rate=0.1, key=jax.random.key(0)
+    )
     got = jax.jit(opt.update)(G, jax.jit(opt.init)(P), P)[0]
     expected = jax.jit(ref.update)(G, jax.jit(ref.init)(P), P)[0]
     _same_bits(got, expected)
@@ -182,7 +187,11 @@ def test_numpy_and_jax_scalars_differ_under_hyperparam_dtype():
 def test_nan_equal_and_equal_hash(make):
     build = optax_ext.inject_hyperparams(optax.sgd)
     one = make()
-    a, b, c = build(learning_rate=one), build(learning_rate=one), build(learning_rate=make())
+    a, b, c = (
+        build(learning_rate=one),
+        build(learning_rate=one),
+        build(learning_rate=make()),
+    )
     assert a == b == c
     assert hash(a) == hash(b) == hash(c)
 

@@ -1,0 +1,406 @@
+"""The optimizer `inject_hyperparams(factory)(...)` returns: its arguments
+sorted by kind, the two forms of a numeric hyperparameter (stored in the
+state, handed to the factory), and the `init` and `update` built from them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ._inject_arguments import (
+    NUMERIC,
+    SCHEDULE,
+    STATEFUL,
+    STATIC,
+    ArgumentError,
+    ArgumentValueError,
+    called_as_function,
+    classify,
+    given_weak,
+    is_mask_name,
+)
+from ._sharding import mirror_param_sharding
+from ._static import ConfigKey, Configured, config_key
+from ._tree import (
+    as_weak,
+    avals_key,
+    check_updates_fit_params,
+    describe_value,
+    fill_scalar_gaps,
+    is_weak,
+    optimisable,
+    restore_untrained,
+    saturating_increment,
+    strong_scalars,
+)
+
+
+class Injection(Configured):
+    """One call of a wrapped factory: its arguments, sorted by kind, and the
+    `init` and `update` functions built from them. Two injections compare
+    equal when built from the same factory and equal arguments.
+
+    A numeric hyperparameter lives in two forms. In `state.hyperparams` it is
+    *stored* as a strongly typed array of a fixed dtype, so that the state's
+    avals survive a checkpoint round trip (serialisation forgets weak types:
+    a weak state would come back strong and retrace the train step). Where it
+    is *handed* to the factory, a hyperparameter given as a Python number (or
+    a weakly typed array, or a schedule returning one) is made weakly typed,
+    so that it promotes as the Python number given to the bare factory would.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[..., optax.GradientTransformation],
+        signature: inspect.Signature,
+        arguments: dict[str, Any],
+        static: set[str],
+        dtype: Any,
+    ):
+        self.factory, self.signature, self.dtype = factory, signature, dtype
+        self.arguments = dict(arguments)
+        kinds = {
+            n: classify(n, v, signature.parameters[n], static)
+            for n, v in arguments.items()
+        }
+        self.passed = {n: v for n, v in arguments.items() if kinds[n] == STATIC}
+        self.numeric = {n: v for n, v in arguments.items() if kinds[n] == NUMERIC}
+        self.weak = {n for n, v in self.numeric.items() if given_weak(v)}
+        self.schedules = {
+            n: v if kinds[n] == STATEFUL else optax.schedules.WrappedSchedule(v)
+            for n, v in arguments.items()
+            if kinds[n] in (SCHEDULE, STATEFUL)
+        }
+        # `_traceable`'s answers by `avals_key` of the params (it traces the
+        # factory's init and update, once per kind of params).
+        self._traceable_names: dict[tuple, tuple[str, ...]] = {}
+        self._key = (
+            config_key(factory, dtype, tuple(sorted(static))),
+            tuple((n, ConfigKey(v)) for n, v in arguments.items()),
+        )
+
+    @property
+    def _name(self) -> str:
+        return getattr(self.factory, "__name__", repr(self.factory))
+
+    def _build(
+        self, hyperparams: dict[str, Any]
+    ) -> optax.GradientTransformationExtraArgs:
+        call = inspect.BoundArguments(self.signature, self.arguments.copy())  # type: ignore[arg-type]
+        call.arguments.update(hyperparams)
+        call.arguments.update(self.passed)
+        tx = self.factory(*call.args, **call.kwargs)
+        if not (
+            callable(getattr(tx, "init", None))
+            and callable(getattr(tx, "update", None))
+        ):
+            raise ArgumentError(
+                f"inner_factory {self._name} returned {describe_value(tx)}; "
+                "inject_hyperparams expects it to return an "
+                "optax.GradientTransformation (an object with init and update), "
+                "as optax.adam does."
+            )
+        return optax.with_extra_args_support(tx)
+
+    # -- the two forms of a hyperparameter ----------------------------------
+
+    def _storage_dtype(self, name: str, value: jax.Array, given: Any) -> Any:
+        """The dtype a hyperparameter is stored in: `hyperparam_dtype` for a
+        floating one if given, unless it was `given` as a strongly typed JAX
+        array (a `jnp.float32(...)`, what an optax schedule returns), which
+        keeps its dtype, as in optax; else the dtype of the value as given
+        (float32 for a Python float; float64 under x64)."""
+        strong_array = isinstance(given, jax.Array) and not is_weak(given)
+        if (
+            self.dtype is not None
+            and jnp.issubdtype(value.dtype, jnp.floating)
+            and not strong_array
+        ):
+            return self.dtype
+        return value.dtype
+
+    def _as_given(self, name: str, given: Any) -> jax.Array:
+        """A number given to the wrapped factory, as an array. An integer
+        given where the factory's default is a float (`weight_decay=0` for
+        adamw) is a float hyperparameter, as a Python float would be, where
+        that float holds it exactly."""
+        value = jnp.asarray(given)
+        default = self.signature.parameters[name].default
+        if (
+            isinstance(default, float)
+            and jnp.issubdtype(value.dtype, jnp.integer)
+            and value.dtype != jnp.bool_
+        ):
+            as_float = np.asarray(given, jnp.result_type(float))
+            if as_float == np.asarray(given):
+                return jnp.asarray(as_float)
+        return value
+
+    def _store(self, name: str, value: Any, dtype: Any, where: str) -> jax.Array:
+        """`value` as a strongly typed array of `dtype`; a cast to another
+        kind (a float into an int hyperparameter, a bool into a number) is
+        refused: it would change the value silently. So is another shape
+        than the value given to the factory (written into the state, it
+        would broadcast into the updates and the params)."""
+        given = f"the value given to {self._name}: {self.arguments.get(name)!r}"
+        try:
+            array = jnp.asarray(value)
+        except TypeError:
+            raise ArgumentError(
+                f"{where} holds {describe_value(value)}, but {name} is a numeric "
+                f"hyperparameter of dtype {dtype} ({given}). Write a number or "
+                "an array."
+            ) from None
+        shape = jnp.shape(self.numeric[name]) if name in self.numeric else ()
+        if array.shape != shape:
+            raise ArgumentValueError(
+                f"{where} holds {describe_value(array)}, but {name} has shape "
+                f"{shape} ({given}); another shape would broadcast into the "
+                f"updates and the params. Write a value of shape {shape}."
+            )
+        if array.dtype == jnp.bool_ and dtype != jnp.bool_:
+            raise ArgumentError(
+                f"{where} holds {describe_value(array)}, but {name} is a "
+                f"hyperparameter of dtype {dtype} ({given}); a bool would be "
+                "taken as 0 or 1. Write a number."
+            )
+        if array.dtype != dtype and not jnp.can_cast(
+            array.dtype, dtype, casting="same_kind"
+        ):
+            raise ArgumentError(
+                f"{where} holds {describe_value(array)}, but {name} is a "
+                f"hyperparameter of dtype {dtype} (fixed by the value given to "
+                f"{self._name}: {self.arguments[name]!r}); casting would change "
+                f"the value. Write a value of dtype {dtype}, or build the "
+                f"optimizer with {name} given as a value of the dtype you need."
+            )
+        return jnp.asarray(array, dtype)  # strong: no weak type to lose
+
+    def _hand(self, name: str, stored: jax.Array, weak: bool) -> jax.Array:
+        """A stored hyperparameter as the factory receives it."""
+        if self.dtype is not None and jnp.issubdtype(stored.dtype, jnp.floating):
+            return stored  # hyperparam_dtype: strong, as optax hands it
+        return as_weak(stored) if weak else stored
+
+    def _schedule_value(self, name: str, schedule: Any, state: Any, **extra):
+        value = schedule(state, **extra)
+        if (
+            value is None
+            or isinstance(value, str)
+            or not (
+                isinstance(value, (numbers.Number, np.ndarray, np.generic, jax.Array))
+            )
+        ):
+            raise ArgumentError(
+                f"The schedule given as {name} returned {describe_value(value)}; "
+                "a schedule must return a scalar number (a Python number or a "
+                "0-d array) for each step count."
+            )
+        array = jnp.asarray(value)
+        if array.shape != ():
+            raise ArgumentValueError(
+                f"The schedule given as {name} returned {describe_value(array)}; "
+                "a schedule must return a scalar (shape ()) for each step count."
+            )
+        if not jnp.issubdtype(array.dtype, jnp.number):
+            raise ArgumentError(
+                f"The schedule given as {name} returned {describe_value(array)}; "
+                "a schedule must return a number (int, float or complex)."
+            )
+        return self._store(name, array, self._storage_dtype(name, array, value), name)
+
+    def _hyperparams(
+        self,
+        numeric: dict[str, Any],
+        schedule_states: dict[str, Any],
+        where: str,
+        **extra_args: Any,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The stored and the handed form of every injected hyperparameter.
+
+        Only the names in `numeric` are injected: `init` leaves out those the
+        factory cannot take traced (see `_traceable`), and `update` follows
+        the state.
+        """
+        stored, handed = {}, {}
+        for n, given in self.numeric.items():
+            if n not in numeric:
+                continue
+            dtype = self._storage_dtype(n, self._as_given(n, given), given)
+            stored[n] = self._store(n, numeric[n], dtype, f"{where}[{n!r}]")
+            handed[n] = self._hand(n, stored[n], n in self.weak)
+        for n, schedule in self.schedules.items():
+            stored[n] = self._schedule_value(
+                n, schedule, schedule_states[n], **extra_args
+            )
+            # Always weak: the bare factory casts a schedule's value to each
+            # update's dtype (`optax.scale_by_schedule`), as a weak value is.
+            handed[n] = self._hand(n, stored[n], weak=True)
+        return stored, handed
+
+    def _traceable(self, params: Any) -> dict[str, Any]:
+        """The numeric hyperparameters the factory accepts as traced values.
+
+        Some factories branch on a number in Python (`reduce_on_plateau`
+        checks `factor` at construction, `scale_by_sm3` tests `b2 != 1.0` in
+        its update). Injected, such a number is a tracer and the branch
+        raises. This traces one init and update abstractly (no computation)
+        and leaves out, as passed through unchanged, every name that raises a
+        concretization error when traced alone.
+        """
+
+        def trial(names: Iterable[str]) -> bool:
+            def run(numeric):
+                _, handed = self._hyperparams(numeric, schedule_states, "arguments")
+                tx = self._build(handed)
+                state = tx.init(params)
+                return tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
+
+            try:
+                jax.eval_shape(run, {n: self.numeric[n] for n in names})
+            except jax.errors.ConcretizationTypeError:
+                return False
+            except (ArgumentError, ArgumentValueError):
+                raise  # our own report on a bad argument
+            except Exception:  # noqa: BLE001 - e.g. an update that needs `value=`:
+                return True  # not ours to judge; the real call will say
+            return True
+
+        key = avals_key(params)
+        if key is not None and key in self._traceable_names:  # decided before
+            return {n: self.numeric[n] for n in self._traceable_names[key]}
+        schedule_states = {n: s.init() for n, s in self.schedules.items()}
+        if not self.numeric or trial(self.numeric):
+            traceable = dict(self.numeric)
+        else:
+            traceable = {n: v for n, v in self.numeric.items() if trial([n])}
+        if key is not None:
+            self._traceable_names[key] = tuple(traceable)
+        return traceable
+
+    def _check_masks(self, params: Any) -> None:
+        """A mask argument must fit the params (optax.masked would fail deep
+        inside the factory's init, naming neither the mask nor the params)."""
+        for name, mask in self.passed.items():
+            if not is_mask_name(name) or mask is None:
+                continue
+            tree = mask(params) if called_as_function(mask) else mask
+            try:
+                jax.tree.map(lambda m, *_: m, tree, params)
+            except (ValueError, TypeError) as error:
+                raise ArgumentValueError(
+                    f"{name} does not match the params given to init: the mask "
+                    f"has the structure {jax.tree.structure(tree)}, the params "
+                    f"{jax.tree.structure(params)} ({error}). {name} must be a "
+                    "tree of bools with the structure of the params (or a prefix "
+                    "of it), or a function params -> such a tree."
+                ) from None
+
+    def _check_names(self, hyperparams: Any, params: Any) -> None:
+        """A name written into `state.hyperparams` that is not injected would
+        be ignored silently (optax ignores it): refuse it. So is a number the
+        factory branches on in Python (`_traceable`, asked of `params` as
+        `init` asks it)."""
+        unknown = sorted(set(hyperparams) - set(self.numeric) - set(self.schedules))
+        written = set(hyperparams) & set(self.numeric)
+        untraceable = written - set(self._traceable(params)) if written else set()
+        written_untraceable = sorted(untraceable)
+        if not (unknown or written_untraceable):
+            return
+        injected = (set(self.numeric) - untraceable) | set(self.schedules)
+        missing = sorted(injected - set(hyperparams))
+        if unknown and missing:
+            raise TypeError(
+                f"inject_hyperparams({self._name}).update's `state` was not "
+                f"built by this optimizer: its hyperparams are "
+                f"{sorted(hyperparams)}, where this optimizer injects "
+                f"{sorted(injected)}. Pass the state that this optimizer's "
+                "init returned (not one built by another optimizer)."
+            )
+        static = sorted(set(self.passed) & set(unknown))
+        raise KeyError(
+            f"state.hyperparams holds {unknown or written_untraceable}, which "
+            f"{self._name} does not take as an injected hyperparameter: the "
+            f"injected ones are {sorted(set(self.numeric) - untraceable)} "
+            f"and the schedules {sorted(self.schedules)}"
+            + (
+                f"; {static} are passed to the factory unchanged (static)"
+                if static
+                else ""
+            )
+            + (
+                f"; {written_untraceable} are numbers the factory branches on "
+                "in Python, passed through unchanged"
+                if written_untraceable
+                else ""
+            )
+            + ". A value written there would be ignored. Give the value when "
+            "building the optimizer instead."
+        )
+
+    def init(self, params: Any) -> optax.InjectStatefulHyperparamsState:
+        params = strong_scalars(optimisable(params))
+        self._check_masks(params)
+        schedule_states = {n: s.init() for n, s in self.schedules.items()}
+        stored, handed = self._hyperparams(
+            self._traceable(params), schedule_states, "arguments"
+        )
+        return optax.InjectStatefulHyperparamsState(
+            count=jnp.zeros((), jnp.int32),
+            hyperparams=stored,
+            hyperparams_states=schedule_states,
+            inner_state=mirror_param_sharding(self._build(handed).init(params), params),
+        )
+
+    def update(
+        self,
+        updates: Any,
+        state: optax.InjectStatefulHyperparamsState,
+        params: Any = None,
+        **extra_args: Any,
+    ) -> tuple[Any, optax.InjectStatefulHyperparamsState]:
+        if not isinstance(state, optax.InjectStatefulHyperparamsState):
+            raise TypeError(
+                f"state must be the optax.InjectStatefulHyperparamsState "
+                f"returned by this optimizer's init or update; got "
+                f"{describe_value(state)}."
+            )
+        kept = None if params is None else optimisable(params)
+        check_updates_fit_params(
+            updates, kept, f"inject_hyperparams({self._name}).update"
+        )
+        filled = fill_scalar_gaps(updates, params)
+        inner_params = None if kept is None else strong_scalars(kept)
+        self._check_names(
+            state.hyperparams, filled if inner_params is None else inner_params
+        )
+        stored, handed = self._hyperparams(
+            state.hyperparams,
+            state.hyperparams_states,
+            "state.hyperparams",
+            **extra_args,
+        )
+        schedule_states = {
+            n: s.update(state.hyperparams_states[n], **extra_args)
+            for n, s in self.schedules.items()
+        }
+        new_updates, inner_state = self._build(handed).update(
+            filled, state.inner_state, inner_params, **extra_args
+        )
+        count = saturating_increment(state.count)
+        return restore_untrained(
+            updates, new_updates, params
+        ), optax.InjectStatefulHyperparamsState(
+            count=count.astype(jnp.int32),
+            hyperparams=stored,
+            hyperparams_states=schedule_states,
+            inner_state=inner_state,
+        )
