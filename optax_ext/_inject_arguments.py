@@ -11,6 +11,7 @@ import collections.abc
 import difflib
 import inspect
 import numbers
+import types
 import typing
 from typing import Any
 
@@ -85,6 +86,28 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(
         value, (bool, np.bool_)
     )
+
+
+def takes_a_float(param: inspect.Parameter) -> bool:
+    """Whether the factory takes a float for this parameter, so that an int
+    given there is a float hyperparameter: its default is a float
+    (`weight_decay=1e-4`), or its annotation names `float` but not `int`
+    among its alternatives (optax's `learning_rate: ScalarOrSchedule`)."""
+    if isinstance(param.default, float):
+        return True
+    annotation = param.annotation
+    if annotation is param.empty or isinstance(annotation, str):
+        return False
+    members = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation)
+        in (
+            typing.Union,
+            types.UnionType,
+        )
+        else (annotation,)
+    )
+    return float in members and int not in members
 
 
 def _type_args(annotation: Any) -> list[Any]:

@@ -26,6 +26,7 @@ from ._inject_arguments import (
     classify,
     given_weak,
     is_mask_name,
+    takes_a_float,
 )
 from ._sharding import mirror_param_sharding
 from ._static import ConfigKey, Configured, config_key
@@ -129,13 +130,12 @@ class Injection(Configured):
 
     def _as_given(self, name: str, given: Any) -> jax.Array:
         """A number given to the wrapped factory, as an array. An integer
-        given where the factory's default is a float (`weight_decay=0` for
-        adamw) is a float hyperparameter, as a Python float would be, where
-        that float holds it exactly."""
+        given where the factory takes a float (`weight_decay=0` for adamw,
+        `learning_rate=1`: `takes_a_float`) is a float hyperparameter, as a
+        Python float would be, where that float holds it exactly."""
         value = jnp.asarray(given)
-        default = self.signature.parameters[name].default
         if (
-            isinstance(default, float)
+            takes_a_float(self.signature.parameters[name])
             and jnp.issubdtype(value.dtype, jnp.integer)
             and value.dtype != jnp.bool_
         ):

@@ -352,3 +352,28 @@ def test_weak_value_written_is_made_strong_by_an_equal_fresh_object(wrap):
         lr = hyperparams(new_state)["learning_rate"]
         assert not lr.weak_type and lr.dtype == jnp.float32
     _same_bits(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("factory", [optax.sgd, optax.adam])
+def test_integer_learning_rate_takes_a_float_hypergradient(factory):
+    """`learning_rate=1` was stored as an int32 hyperparameter (the factory
+    has no default to say it is a float), so writing a float learning rate
+    into the state for a hypergradient was refused; optax takes it."""
+
+    def value_and_grad(inject):
+        opt = inject(factory)(learning_rate=1)
+        state = opt.init(P)
+
+        @jax.jit
+        def loss(lr):
+            written = state._replace(
+                hyperparams={**state.hyperparams, "learning_rate": lr}
+            )
+            u, _ = opt.update(G, written, P)
+            return jnp.sum(optax.apply_updates(P, u)["w"] ** 2)
+
+        return jax.value_and_grad(loss)(jnp.float32(0.05))
+
+    got = value_and_grad(optax_ext.inject_hyperparams)
+    expected = value_and_grad(optax.inject_hyperparams)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
