@@ -21,7 +21,7 @@ import optax
 from jax import lax
 from jaxtyping import Array, Bool, PyTree
 
-from ._apply import apply_gradients, merge_trainable
+from ._apply import apply_gradients, merge_trainable, with_extra_args
 from ._conditional import check_transformation, update_if
 from ._devices import view
 from ._sharding import mirror_param_sharding
@@ -449,9 +449,9 @@ class MultiSteps(Configured):
         axis_name: Hashable | None = None,
     ):
         check_transformation(opt, "opt")
-        self._opt = optax.with_extra_args_support(opt)
+        self._opt = with_extra_args(opt)
         # As given: `apply_gradients` fuses through a nested MultiSteps or
-        # skip_when, which `with_extra_args_support` would hide.
+        # skip_when, which `with_extra_args` would hide.
         self._fusable_inner = opt
         self._every_k_schedule = _validate_every_k(every_k_schedule)
         self._use_grad_mean = bool(use_grad_mean)
