@@ -124,6 +124,33 @@ def test_matches_whole_batch_in_float64(name, jit):
         assert grads.activation is None
 
 
+def loss_int_param(params, batch):
+    """`loss` with an integer param (a step counter, say) that scales it."""
+    return loss(params, batch) * params["n"]
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_float0_gradients_come_back_as_jax_grad_gives_them(jit):
+    """Issue 26: the float0 gradient that `jax.grad(..., allow_int=True)`
+    gives an integer param was refused; it comes back as jax.grad on the
+    whole batch gives it (a NumPy array of the same dtype and shape; eagerly
+    jax.grad's is of a private subclass), the float gradients are the whole
+    batch's."""
+    params = {**_params(), "n": jnp.int32(3)}
+    batch = _data()
+    grad_fn = jax.grad(loss_int_param, allow_int=True)
+    fn = optax_ext.microbatched(grad_fn, K)
+    got = (jax.jit(fn) if jit else fn)(params, batch)
+    want = (jax.jit(grad_fn) if jit else grad_fn)(params, batch)
+    assert isinstance(got["n"], np.ndarray) and isinstance(want["n"], np.ndarray)
+    assert (want["n"].dtype, want["n"].shape) == (jax.dtypes.float0, ())
+    assert (got["n"].dtype, got["n"].shape) == (jax.dtypes.float0, ())
+    with jax.enable_x64(True):
+        want64 = jax.grad(loss_int_param, allow_int=True)(_f64(params), _f64(batch))
+    for name in ("w", "b", "v"):
+        _close(got[name], want64[name])
+
+
 def test_integer_and_bool_aux_combine_over_the_whole_batch():
     """Counts are summed and flags `any`-ed over micro-batches: a flag raised
     by one micro-batch only is raised for the batch."""

@@ -535,10 +535,44 @@ def test_train_step_compiles_once():
 # --- errors ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [0, -2, 2.5, "3", True, None, [2]])
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "3", False, None, [2]])
 def test_every_k_schedule_is_validated(bad):
     with pytest.raises((TypeError, ValueError), match="every_k_schedule"):
         optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=bad)
+
+
+def _never(step):
+    return step < 0  # traced False under jit: never emits, as in optax
+
+
+@pytest.mark.parametrize(
+    "every_k",
+    [True, lambda step: True, lambda step: np.bool_(True), lambda step: step >= 0, _never],
+    ids=["True", "returns-True", "returns-np.True_", "step>=0", "step<0"],
+)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_bool_every_k_schedule_as_optax(every_k, jit):
+    """Issue 26: a bool `every_k_schedule` (or a schedule returning one) was
+    refused; optax takes it as the int it is (`True` is 1)."""
+    grads = [jnp.asarray([0.5, -1.0]), jnp.asarray([2.0, 0.25]), jnp.ones(2)]
+
+    def trajectory(opt):
+        update = jax.jit(opt.update) if jit else opt.update
+        params, state, out = jnp.zeros(2), opt.init(jnp.zeros(2)), []
+        for g in grads:
+            updates, state = update(g, state, params)
+            params = optax.apply_updates(params, updates)
+            out.append(np.asarray(params))
+        return np.stack(out)
+
+    expected = trajectory(optax.MultiSteps(optax.sgd(0.5), every_k))
+    opt = optax_ext.MultiSteps(optax.sgd(0.5), every_k)
+    if every_k is _never and not jit:
+        # Known while tracing, False is refused as 0 is (optax never emits).
+        with pytest.raises(ValueError, match="every_k_schedule returned False"):
+            trajectory(opt)
+        return
+    np.testing.assert_array_equal(trajectory(opt), expected)
 
 
 def test_numpy_int_every_k_is_accepted():
