@@ -58,9 +58,9 @@ def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
     if k is not None:
         if not 1 <= k <= _INT32_MAX:
             raise ValueError(
-                f"every_k_schedule must be an int from 1 to 2**31 - 1, got {every_k_schedule!r}: "
-                "it is the number of mini-steps accumulated per update, "
-                "counted in the state's int32 mini_step."
+                "every_k_schedule must be an int from 1 to 2**31 - 1, got "
+                f"{every_k_schedule!r}: it is the number of mini-steps "
+                "accumulated per update, counted in the state's int32 mini_step."
             )
         return lambda _: k
     raise TypeError(
@@ -72,11 +72,11 @@ def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
 
 def _check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
     """The window length from `every_k_schedule`: a scalar int, a float
-    holding a whole number, or a bool (`True` is 1), as optax accepts. A value known while tracing (a
-    Python or NumPy number, or a JAX array made outside the trace) must be a
-    whole number from 1 to 2**31 - 1, under `jit` too; a traced one (under
-    `jit` that includes a `jnp` constant made inside the schedule) is
-    handled by `_window_complete`."""
+    holding a whole number, or a bool (`True` is 1), as optax accepts. A
+    value known while tracing (a Python or NumPy number, or a JAX array made
+    outside the trace) must be a whole number from 1 to 2**31 - 1, under
+    `jit` too; a traced one (under `jit` that includes a `jnp` constant made
+    inside the schedule) is handled by `_window_complete`."""
     try:
         known = np.asarray(k)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):

@@ -547,7 +547,13 @@ def _never(step):
 
 @pytest.mark.parametrize(
     "every_k",
-    [True, lambda step: True, lambda step: np.bool_(True), lambda step: step >= 0, _never],
+    [
+        True,
+        lambda step: True,
+        lambda step: np.bool_(True),
+        lambda step: step >= 0,
+        _never,
+    ],
     ids=["True", "returns-True", "returns-np.True_", "step>=0", "step<0"],
 )
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

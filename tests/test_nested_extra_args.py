@@ -105,7 +105,9 @@ def _run(opt, fused):
 
 WRAPPERS = [("MultiSteps", 2), ("skip_when", None), ("chain", None)]
 NESTINGS = [
-    nesting for depth in range(4) for nesting in itertools.product(WRAPPERS, repeat=depth)
+    nesting
+    for depth in range(4)
+    for nesting in itertools.product(WRAPPERS, repeat=depth)
 ]
 # The cases of issue 26: skip_when(MultiSteps2(plateau)) is among the
 # nestings, and MultiSteps1(MultiSteps2(skip_when(sgd))) (its `update` moved
@@ -132,4 +134,3 @@ def test_update_and_apply_gradients_forward_extra_args_at_any_depth(case):
             np.testing.assert_array_equal(
                 got[name], expected[name], err_msg=f"{name}, fused={fused}"
             )
-
