@@ -450,10 +450,12 @@ def test_state_is_interchangeable_with_optax(dtype):
     # both keep optax's float32 running mean, so the updates are bit-equal
     # (this compared at rtol 1e-2 with equal gradients, which hid any
     # difference in the mean).
-    _, s1 = theirs.update(g1, s_theirs, params)
-    u_ours, _ = ours.update(g2, s1, params)
-    _, s2 = ours.update(g1, s_ours, params)
-    u_theirs, _ = theirs.update(g2, s2, params)
+    # Both jitted: bit for bit in bfloat16 holds between like forms.
+    ours_update, theirs_update = jax.jit(ours.update), jax.jit(theirs.update)
+    _, s1 = theirs_update(g1, s_theirs, params)
+    u_ours, _ = ours_update(g2, s1, params)
+    _, s2 = ours_update(g1, s_ours, params)
+    u_theirs, _ = theirs_update(g2, s2, params)
     for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_theirs), strict=True):
         np.testing.assert_array_equal(to_np(a), to_np(b))
         assert a.dtype == b.dtype == dtype
@@ -637,10 +639,11 @@ def test_vmap_over_independent_windows():
     states = [opt.init(params), opt.update(grads[1, 0], opt.init(params), params)[1]]
     batched = jax.tree.map(lambda a, b: jnp.stack([a, b]), *states)
     step = jax.jit(jax.vmap(opt.update, in_axes=(0, 0, None)))
+    one = jax.jit(opt.update)  # jitted as `step` is: compared bit for bit
     for t in range(1, 4):
         got, batched = step(grads[:, t], batched, params)
         for m in range(2):
-            want, states[m] = opt.update(grads[m, t], states[m], params)
+            want, states[m] = one(grads[m, t], states[m], params)
             np.testing.assert_array_equal(to_np(got[m]), to_np(want))
     assert avals(jax.tree.map(lambda x: x[0], batched)) == avals(states[0])
 
