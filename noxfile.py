@@ -1,5 +1,6 @@
 """Developer tasks. Run `nox -l` to list the sessions, `nox -s NAME` to run one."""
 
+import os
 import pathlib
 import sys
 
@@ -20,7 +21,8 @@ NEWEST_PYTHON = "3.13"
 LINT_PATHS = ["optax_ext", "tests", "examples", "benchmarks", "noxfile.py"]
 # Packages whose lowest declared version the `minversions` session pins.
 MIN_PINNED = ["jax", "jaxlib", "optax", "equinox", "chex"]
-TEST_ENV = {"JAX_PLATFORMS": "cpu"}
+# CPU unless the caller sets JAX_PLATFORMS (`cuda` for a GPU: README).
+TEST_ENV = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
 
 
 def _run_tests(session: nox.Session) -> None:

@@ -41,16 +41,36 @@ def merge_trainable(params: PyTree, new: PyTree) -> PyTree:
     )
 
 
-def _fused(optimizer: Any, params: Any) -> Any:
-    """The object whose `_apply_gradients` fuses `optimizer`'s step, if any:
-    a `MultiSteps` itself, or the owner behind the `Method`s of
-    `MultiSteps.gradient_transformation()` and `skip_when(...)`. None when
-    `params` holds a Python number, which cannot pass through a `cond` as
-    itself (such a step is applied unfused)."""
+def _owner(optimizer: Any) -> Configured | None:
+    """The object of this package behind `optimizer`, if any: a `MultiSteps`
+    itself, or the owner behind the `Method`s of
+    `MultiSteps.gradient_transformation()` and `skip_when(...)`."""
     owner = optimizer
     if isinstance(getattr(optimizer, "update", None), Method):
         owner = optimizer.update.owner
-    if not (isinstance(owner, Configured) and hasattr(owner, "_apply_gradients")):
+    return owner if isinstance(owner, Configured) else None
+
+
+def with_extra_args(opt: Any) -> optax.GradientTransformationExtraArgs:
+    """`opt` as an `optax.GradientTransformationExtraArgs` that forwards extra
+    keyword arguments wherever `apply_gradients` forwards them: as
+    `optax.with_extra_args_support`, except that an optimizer of this
+    package (a `MultiSteps`, a `skip_when`, in any form) keeps them, so a
+    nested one still gets `skip=` and `value=` (as its `update` does when
+    called directly)."""
+    if _owner(opt) is not None and not isinstance(
+        opt, optax.GradientTransformationExtraArgs
+    ):
+        return optax.GradientTransformationExtraArgs(opt.init, opt.update)
+    return optax.with_extra_args_support(opt)
+
+
+def _fused(optimizer: Any, params: Any) -> Any:
+    """The object whose `_apply_gradients` fuses `optimizer`'s step, if any
+    (`_owner`). None when `params` holds a Python number, which cannot pass
+    through a `cond` as itself (such a step is applied unfused)."""
+    owner = _owner(optimizer)
+    if not hasattr(owner, "_apply_gradients"):
         return None
     if any(isinstance(x, (int, float, complex)) for x in jax.tree.leaves(params)):
         return None

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ._apply import with_extra_args
 from ._inject_arguments import (
     NUMERIC,
     SCHEDULE,
@@ -109,7 +110,7 @@ class Injection(Configured):
                 "optax.GradientTransformation (an object with init and update), "
                 "as optax.adam does."
             )
-        return optax.with_extra_args_support(tx)
+        return with_extra_args(tx)
 
     # -- the two forms of a hyperparameter ----------------------------------
 

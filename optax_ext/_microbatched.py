@@ -28,6 +28,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -155,6 +156,18 @@ def _is_manual(axis_name: Hashable) -> bool:
     return True
 
 
+def _is_float0(x: Any) -> bool:
+    """Whether `x` (an array or a `ShapeDtypeStruct`) has dtype float0: what
+    `jax.grad(..., allow_int=True)` gives for an integer input. It holds no
+    values: `microbatched` returns it as `grad_fn` gives it."""
+    return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
+def _is_value(x: Any) -> bool:
+    """An output leaf that `microbatched` combines: an array, not float0."""
+    return eqx.is_array(x) and not _is_float0(x)
+
+
 def _acc_dtype(dtype: Any, accumulator_dtype: Any, path: str) -> Any:
     if accumulator_dtype is None:
         return dtype
@@ -240,7 +253,15 @@ def _accumulate(
 
     out_shape = eqx.filter_eval_shape(call, jnp.zeros((), jnp.int32))
     is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
-    shapes, static = eqx.partition(out_shape, is_struct, is_leaf=is_struct)
+    is_combined = lambda x: is_struct(x) and not _is_float0(x)  # noqa: E731
+    shapes, static = eqx.partition(out_shape, is_combined, is_leaf=is_struct)
+    # A float0 gradient (of an integer input) holds no values: it comes back
+    # as the NumPy array of its shape that jax.grad returns.
+    static = jax.tree.map(
+        lambda x: np.zeros(x.shape, x.dtype) if is_struct(x) else x,
+        static,
+        is_leaf=is_struct,
+    )
     flat_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     kinds, acc_dtypes = [], []
     for path, s in flat_shapes:
@@ -272,7 +293,7 @@ def _accumulate(
         return jnp.where(j == 0, out, running)
 
     def body(j: jax.Array, acc: list) -> list:
-        dynamic, _ = eqx.partition(call(j), eqx.is_array)
+        dynamic = eqx.filter(call(j), _is_value)
         outs = jax.tree.leaves(dynamic)
         if len(outs) != len(acc):
             raise ValueError(
@@ -347,7 +368,9 @@ def microbatched(
     - integer leaves are summed (counts such as the number of correct
       predictions), bool leaves are `any`-ed (flags such as "found a NaN");
     - leaves that are not arrays (an Equinox model's activation functions,
-      `None` gradients) are returned as `grad_fn` gives them.
+      `None` gradients) and float0 leaves (the gradients of integer inputs
+      that `jax.grad(..., allow_int=True)` gives) are returned as `grad_fn`
+      gives them.
 
     An output with a row per example (per-example losses as aux, gradients
     with respect to the batch itself) is averaged element by element like
@@ -496,7 +519,7 @@ def _in_shard_map(
     def local(dyn_args, dyn_kwargs):
         args, kwargs = eqx.combine((dyn_args, dyn_kwargs), static)
         out = run(spec, tuple(args), kwargs)
-        dyn_out, static_out = eqx.partition(out, eqx.is_array)
+        dyn_out, static_out = eqx.partition(out, _is_value)
         out_static.append(static_out)
         return dyn_out
 

@@ -21,7 +21,7 @@ import optax
 from jax import lax
 from jaxtyping import Array, Bool, PyTree
 
-from ._apply import apply_gradients, merge_trainable
+from ._apply import apply_gradients, merge_trainable, with_extra_args
 from ._conditional import check_transformation, update_if
 from ._devices import view
 from ._sharding import mirror_param_sharding
@@ -48,13 +48,18 @@ _INT32_MAX = int(jnp.iinfo(jnp.int32).max)
 def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
     if callable(every_k_schedule):
         return every_k_schedule
-    k = as_index(every_k_schedule)
+    # A bool is the int it is, as in optax (which tests `isinstance(k, int)`).
+    k = (
+        int(every_k_schedule)
+        if isinstance(every_k_schedule, bool)
+        else as_index(every_k_schedule)
+    )
     if k is not None:
         if not 1 <= k <= _INT32_MAX:
             raise ValueError(
-                f"every_k_schedule must be an int from 1 to 2**31 - 1, got {k}: "
-                "it is the number of mini-steps accumulated per update, "
-                "counted in the state's int32 mini_step."
+                "every_k_schedule must be an int from 1 to 2**31 - 1, got "
+                f"{every_k_schedule!r}: it is the number of mini-steps "
+                "accumulated per update, counted in the state's int32 mini_step."
             )
         return lambda _: k
     raise TypeError(
@@ -65,25 +70,29 @@ def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
 
 
 def _check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
-    """The window length from `every_k_schedule`: a scalar int, or a float
-    holding a whole number (as optax accepts). A value known while tracing (a
-    Python or NumPy number, or a JAX array made outside the trace) must be a
-    whole number from 1 to 2**31 - 1, under `jit` too; a traced one (under
-    `jit` that includes a `jnp` constant made inside the schedule) is
-    handled by `_window_complete`."""
+    """The window length from `every_k_schedule`: a scalar int, a float
+    holding a whole number, or a bool (`True` is 1), as optax accepts. A
+    value known while tracing (a Python or NumPy number, or a JAX array made
+    outside the trace) must be a whole number from 1 to 2**31 - 1, under
+    `jit` too; a traced one (under `jit` that includes a `jnp` constant made
+    inside the schedule) is handled by `_window_complete`."""
     try:
         known = np.asarray(k)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         known = None
     kind = known if known is not None else jnp.asarray(k)
-    numeric = jnp.issubdtype(kind.dtype, jnp.integer) or jnp.issubdtype(
-        kind.dtype, jnp.floating
+    numeric = (
+        jnp.issubdtype(kind.dtype, jnp.integer)
+        or jnp.issubdtype(kind.dtype, jnp.floating)
+        or kind.dtype == jnp.bool_
     )
     if kind.shape != () or not numeric:
         raise TypeError(
             "every_k_schedule must return a scalar int (the number of mini-steps "
             f"in this window), got {describe_value(k)}."
         )
+    if kind.dtype == jnp.bool_:
+        k = jnp.asarray(k, jnp.int32)
     if known is None:
         return jnp.asarray(k)  # traced under jit: see `_window_complete`
     value = known.item()
@@ -412,8 +421,9 @@ class MultiSteps(Configured):
     - `opt`: the inner optimizer, an `optax.GradientTransformation`.
     - `every_k_schedule`: an int from 1 to `2**31 - 1`, or a function from
       the gradient step (int32 scalar) to the number of mini-steps in that
-      window. A traced non-integer `k` closes the window at `ceil(k)`; a
-      traced `k <= 0` never closes it (as optax never emits).
+      window. A bool counts as the int it is (`True` is 1), as in optax. A
+      traced non-integer `k` closes the window at `ceil(k)`; a traced
+      `k <= 0` never closes it (as optax never emits).
     - `use_grad_mean`: average the window's gradients if `True`, else sum them.
     - `should_skip_update_fn`: as in optax, `(updates, gradient_step, params)
       -> (should_skip, skip_state)` with a scalar bool `should_skip`; a
@@ -448,9 +458,9 @@ class MultiSteps(Configured):
         axis_name: Hashable | None = None,
     ):
         check_transformation(opt, "opt")
-        self._opt = optax.with_extra_args_support(opt)
+        self._opt = with_extra_args(opt)
         # As given: `apply_gradients` fuses through a nested MultiSteps or
-        # skip_when, which `with_extra_args_support` would hide.
+        # skip_when, which `with_extra_args` would hide.
         self._fusable_inner = opt
         self._every_k_schedule = _validate_every_k(every_k_schedule)
         self._use_grad_mean = bool(use_grad_mean)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._apply import apply_gradients, merge_trainable
+from ._apply import apply_gradients, merge_trainable, with_extra_args
 from ._conditional import check_transformation, update_if
 from ._static import Configured, config_key
 from ._tree import (
@@ -32,7 +32,7 @@ class _SkipWhen(Configured):
         check_transformation(inner, "inner")
         if not (isinstance(flag, str) and flag.isidentifier()):
             raise ValueError(f"flag must be a keyword argument name, got {flag!r}.")
-        self.inner = optax.with_extra_args_support(inner)
+        self.inner = with_extra_args(inner)
         self._fusable_inner = inner  # as given: see MultiSteps
         self.flag = flag
         # `check_state_structure`'s answers by the avals of its template.

@@ -5,6 +5,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 def avals(tree):
@@ -48,3 +49,14 @@ def hlo_computations(hlo: str) -> dict[str, list[str]]:
         elif name and line.startswith("  "):
             comps[name].append(line.split(", metadata=")[0].strip())
     return comps
+
+
+def xla_cpu_only(what: str) -> pytest.MarkDecorator:
+    """Skips a test that asserts `what` of the program XLA:CPU compiles (HLO
+    text, `memory_analysis()`, copies, collectives) on any other backend,
+    whose compiler fuses, schedules and assigns buffers its own way."""
+    backend = jax.default_backend()
+    return pytest.mark.skipif(
+        backend != "cpu",
+        reason=f"asserts XLA:CPU's {what}; this run's backend is {backend}",
+    )

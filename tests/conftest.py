@@ -1,8 +1,20 @@
 import os
 
+# CPU unless the caller chose: `JAX_PLATFORMS=cuda` (or set and empty, for
+# JAX's own choice) runs the suite on a GPU (README, "Running the tests on a
+# GPU"). There the tests that assert what XLA:CPU compiles skip, saying so
+# (`_helpers.xla_cpu_only`).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Several test processes (pytest -n) share one GPU: allocate as needed.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import hypothesis  # noqa: E402
+import jax  # noqa: E402
+
+if jax.default_backend() != "cpu":
+    # The references are float64 or plain optax at full float32 precision;
+    # a GPU's default float32 matmul (TF32 inputs) is not what they check.
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 # Each hypothesis example compiles JAX code: keep examples few and untimed.
 hypothesis.settings.register_profile(
@@ -21,8 +33,6 @@ def pytest_collection_modifyitems(config, items):
     marked = [item for item in items if item.get_closest_marker("multidevice")]
     if not marked:
         return
-    import jax
-
     if jax.device_count() >= 8:
         return
     skip = pytest.mark.skip(

@@ -11,8 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import xla_cpu_only
 
 import optax_ext
+
+COMPILED = xla_cpu_only("memory analysis of the compiled step")
 
 K = 3
 STEPS = 2 * K + 1
@@ -246,6 +249,7 @@ def _temp_over_params(fn, opt, params):
     return compiled.memory_analysis().temp_size_in_bytes / nbytes
 
 
+@COMPILED
 @pytest.mark.parametrize("leaves,shape", [(8, (256, 256)), (300, (16, 16))])
 @pytest.mark.parametrize("inner", ["adam", "lion", "sgd-nesterov"])
 def test_fused_step_has_no_params_sized_temporary(leaves, shape, inner):

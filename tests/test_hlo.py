@@ -11,12 +11,16 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _helpers import hlo_computations
+from _helpers import hlo_computations, xla_cpu_only
 from jax import lax
 
 import optax_ext
 from optax_ext import _conditional
 from optax_ext._conditional import DISTINCT_ZEROS_MIN_SIZE
+
+COMPILED = xla_cpu_only(
+    "compiled HLO (branches, copies, buffer aliasing) and memory analysis"
+)
 
 INNER = {
     "adam": lambda: optax.adam(1e-3),
@@ -120,6 +124,7 @@ def _assert_idle_branch_only_writes_zeros(compiled, *, zeros: bool = True) -> No
     assert _array_copies(comps["ENTRY"]) == []
 
 
+@COMPILED
 @pytest.mark.parametrize("inner", INNER)
 def test_mini_step_branch_only_writes_zeros(inner):
     """Lion included: its updates read the old `mu` in a loop apart from the
@@ -129,6 +134,7 @@ def test_mini_step_branch_only_writes_zeros(inner):
     _assert_idle_branch_only_writes_zeros(compiled)
 
 
+@COMPILED
 @pytest.mark.parametrize("inner", INNER)
 def test_skipped_step_branch_only_writes_zeros(inner):
     """skip_when in a train step that donates params and state. (Returning
@@ -246,6 +252,7 @@ def _skipping(inner):
     return optax.GradientTransformation(tx.init, update)
 
 
+@COMPILED
 @pytest.mark.parametrize("inner", INNER)
 def test_donated_state_is_updated_in_place(inner):
     """With gradients and state donated, every state leaf's buffer is handed
@@ -257,6 +264,7 @@ def test_donated_state_is_updated_in_place(inner):
         assert pairs.get(n_grads + i) == n_grads + i, (i, pairs)
 
 
+@COMPILED
 def test_donating_only_the_state_pairs_updates_with_state_buffers():
     """Why a step that donates only the state copies it (docs/design.md,
     "Donating the state alone"): JAX pairs donated inputs with outputs by shape and
@@ -275,6 +283,7 @@ def test_donating_only_the_state_pairs_updates_with_state_buffers():
     assert len(kept) < n_state  # so some state leaves are not kept in place
 
 
+@COMPILED
 @pytest.mark.parametrize("inner", INNER)
 def test_temp_memory_at_most_optax(inner):
     """No more temporary memory than optax's MultiSteps, but for the
@@ -287,6 +296,7 @@ def test_temp_memory_at_most_optax(inner):
     assert ours <= theirs + TABLES, (ours, theirs)
 
 
+@COMPILED
 @pytest.mark.parametrize("inner", INNER)
 def test_accumulator_needs_no_temporary(inner):
     """The accumulator is updated and reset in its donated buffer: the
@@ -303,6 +313,7 @@ def test_accumulator_needs_no_temporary(inner):
         assert bare < smallest and ours < smallest, (ours, bare, smallest)
 
 
+@COMPILED
 def test_accumulation_is_one_fusion_per_leaf():
     """The mini-step's arithmetic, in ENTRY: per leaf one fused loop that
     accumulates (the reset is in the emitting branch)."""
@@ -346,6 +357,7 @@ def test_outputs_reading_grads():
     assert outputs(_skipping(optax.lion(1e-4))) == list(range(n + 1, 2 * n + 1))
 
 
+@COMPILED
 @pytest.mark.parametrize("inner", ["adam", "lion"])
 @pytest.mark.parametrize("skip", ["traced", "constant"])
 @pytest.mark.parametrize("nesting", ["MultiSteps(skip_when)", "skip_when(MultiSteps)"])
@@ -391,6 +403,7 @@ def test_skip_when_with_multi_steps_needs_no_temporary(nesting, skip, inner):
     assert _array_copies(instructions) == []
 
 
+@COMPILED
 @pytest.mark.parametrize("inner", INNER)
 def test_skip_when_without_flag_keeps_state_in_place(inner):
     """skip_when called without `skip` (flax's TrainState calls `update`
@@ -433,6 +446,7 @@ def test_skip_when_without_flag_keeps_state_in_place(inner):
     assert temp < traced_temp + smallest, (temp, traced_temp)  # no leaf more
 
 
+@COMPILED
 @pytest.mark.parametrize("flag", ["absent", "python bool", "concrete array", "traced"])
 def test_skip_when_flag_known_at_trace_time_leaves_no_conditional(flag):
     """A flag known at trace time (absent, a Python bool, an array closed
@@ -457,6 +471,7 @@ def test_skip_when_flag_known_at_trace_time_leaves_no_conditional(flag):
     assert _opcodes(compiled).count("conditional") == (flag == "traced")
 
 
+@COMPILED
 def test_skip_when_under_vmap_with_a_shared_flag_keeps_its_conditional():
     """vmap over a batch of models (params, state and grads batched) with
     one skip flag for the whole batch: the conditional stays one, so a
@@ -488,6 +503,7 @@ def _gated_momentum(lr=1e-2):
     return optax.GradientTransformation(jnp.zeros_like, update)
 
 
+@COMPILED
 @pytest.mark.parametrize("wrapper", ["MultiSteps", "skip_when"])
 def test_index_read_is_ordered_before_a_write_outside_its_conditional(wrapper):
     """A conditional's index that reads an old state leaf is read before its

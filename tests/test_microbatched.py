@@ -11,8 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import xla_cpu_only
 
 import optax_ext
+
+COMPILED = xla_cpu_only("memory analysis of the compiled step")
 
 K = 4
 N = 32
@@ -124,6 +127,33 @@ def test_matches_whole_batch_in_float64(name, jit):
         assert grads.activation is None
 
 
+def loss_int_param(params, batch):
+    """`loss` with an integer param (a step counter, say) that scales it."""
+    return loss(params, batch) * params["n"]
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_float0_gradients_come_back_as_jax_grad_gives_them(jit):
+    """Issue 26: the float0 gradient that `jax.grad(..., allow_int=True)`
+    gives an integer param was refused; it comes back as jax.grad on the
+    whole batch gives it (a NumPy array of the same dtype and shape; eagerly
+    jax.grad's is of a private subclass), the float gradients are the whole
+    batch's."""
+    params = {**_params(), "n": jnp.int32(3)}
+    batch = _data()
+    grad_fn = jax.grad(loss_int_param, allow_int=True)
+    fn = optax_ext.microbatched(grad_fn, K)
+    got = (jax.jit(fn) if jit else fn)(params, batch)
+    want = (jax.jit(grad_fn) if jit else grad_fn)(params, batch)
+    assert isinstance(got["n"], np.ndarray) and isinstance(want["n"], np.ndarray)
+    assert (want["n"].dtype, want["n"].shape) == (jax.dtypes.float0, ())
+    assert (got["n"].dtype, got["n"].shape) == (jax.dtypes.float0, ())
+    with jax.enable_x64(True):
+        want64 = jax.grad(loss_int_param, allow_int=True)(_f64(params), _f64(batch))
+    for name in ("w", "b", "v"):
+        _close(got[name], want64[name])
+
+
 def test_integer_and_bool_aux_combine_over_the_whole_batch():
     """Counts are summed and flags `any`-ed over micro-batches: a flag raised
     by one micro-batch only is raised for the batch."""
@@ -148,9 +178,12 @@ def test_half_precision_gradients_accumulate_in_float32(dtype):
     grad_fn = jax.grad(loss)
     got = jax.jit(optax_ext.microbatched(grad_fn, k))(params, batch)
     # grad_fn on each micro-batch (its own half-precision arithmetic), then
-    # their mean in float64.
+    # their mean in float64. Jitted, as in the loop: eagerly each operation
+    # rounds to the half dtype, where XLA computes a fusion in float32 (or
+    # natively, on CPUs with avx512_fp16), an ulp or more apart.
     micro = [
-        grad_fn(params, jax.tree.map(lambda a, j=j: a[j::k], batch)) for j in range(k)
+        jax.jit(grad_fn)(params, jax.tree.map(lambda a, j=j: a[j::k], batch))
+        for j in range(k)
     ]
     mean = jax.tree.map(
         lambda *g: np.mean([np.asarray(x, np.float64) for x in g], axis=0), *micro
@@ -290,6 +323,7 @@ def _mlp_temp_bytes(grad_fn, params, batch):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@COMPILED
 def test_temp_memory_is_one_microbatch_plus_accumulator():
     """k=8 on an MLP whose activations dominate: the compiled temp memory
     stays under a quarter of the whole batch's plus one gradient-sized
@@ -373,9 +407,9 @@ def test_narrower_accumulator_is_refused():
         fn(_params(), _data())
 
 
-def test_example_trains_and_saves_memory():
-    """examples/microbatched_train.py: the loss falls, and the compiled step
-    with 8 micro-batches needs under a quarter of the full batch's temp."""
+@pytest.fixture(scope="module")
+def example_run():
+    """examples/microbatched_train.py, 15 steps with 8 micro-batches."""
     import importlib.util
     import pathlib
 
@@ -383,7 +417,19 @@ def test_example_trains_and_saves_memory():
     spec = importlib.util.spec_from_file_location("microbatched_train", path)
     ex = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ex)
-    losses, _, memory = ex.train(steps=15, microbatches=8, progress=False)
+    return ex.train(steps=15, microbatches=8, progress=False)
+
+
+def test_example_trains(example_run):
+    """examples/microbatched_train.py: the loss falls."""
+    losses, _, _ = example_run
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+@COMPILED
+def test_example_saves_memory(example_run):
+    """examples/microbatched_train.py: the compiled step with 8
+    micro-batches needs under a quarter of the full batch's temp."""
+    _, _, memory = example_run
     full, micro = memory.values()
     assert micro < full / 4, memory

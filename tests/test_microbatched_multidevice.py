@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import hlo_computations
+from _helpers import hlo_computations, xla_cpu_only
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_ext
+
+COMPILED = xla_cpu_only("compiled HLO (collectives) on 8 host devices")
 
 pytestmark = pytest.mark.multidevice
 
@@ -148,6 +150,7 @@ GRAD_FNS = {
 }
 
 
+@COMPILED
 @pytest.mark.parametrize("name", GRAD_FNS)
 @pytest.mark.parametrize("mode", ["explicit", "auto", "shard_map"])
 def test_sharded_batch_reduces_once_after_the_loop(mode, name):
@@ -165,6 +168,7 @@ def test_sharded_batch_reduces_once_after_the_loop(mode, name):
     _assert_close(got, want)
 
 
+@COMPILED
 def test_auto_axes_without_axis_name_reduce_inside_the_loop():
     """Why `axis_name` is needed with Auto axes: the batch's sharding is not
     in its type, the loop runs as written and XLA all-reduces the gradients

@@ -450,10 +450,12 @@ def test_state_is_interchangeable_with_optax(dtype):
     # both keep optax's float32 running mean, so the updates are bit-equal
     # (this compared at rtol 1e-2 with equal gradients, which hid any
     # difference in the mean).
-    _, s1 = theirs.update(g1, s_theirs, params)
-    u_ours, _ = ours.update(g2, s1, params)
-    _, s2 = ours.update(g1, s_ours, params)
-    u_theirs, _ = theirs.update(g2, s2, params)
+    # Both jitted: bit for bit in bfloat16 holds between like forms.
+    ours_update, theirs_update = jax.jit(ours.update), jax.jit(theirs.update)
+    _, s1 = theirs_update(g1, s_theirs, params)
+    u_ours, _ = ours_update(g2, s1, params)
+    _, s2 = ours_update(g1, s_ours, params)
+    u_theirs, _ = theirs_update(g2, s2, params)
     for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_theirs), strict=True):
         np.testing.assert_array_equal(to_np(a), to_np(b))
         assert a.dtype == b.dtype == dtype
@@ -535,10 +537,50 @@ def test_train_step_compiles_once():
 # --- errors ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [0, -2, 2.5, "3", True, None, [2]])
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "3", False, None, [2]])
 def test_every_k_schedule_is_validated(bad):
     with pytest.raises((TypeError, ValueError), match="every_k_schedule"):
         optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=bad)
+
+
+def _never(step):
+    return step < 0  # traced False under jit: never emits, as in optax
+
+
+@pytest.mark.parametrize(
+    "every_k",
+    [
+        True,
+        lambda step: True,
+        lambda step: np.bool_(True),
+        lambda step: step >= 0,
+        _never,
+    ],
+    ids=["True", "returns-True", "returns-np.True_", "step>=0", "step<0"],
+)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_bool_every_k_schedule_as_optax(every_k, jit):
+    """Issue 26: a bool `every_k_schedule` (or a schedule returning one) was
+    refused; optax takes it as the int it is (`True` is 1)."""
+    grads = [jnp.asarray([0.5, -1.0]), jnp.asarray([2.0, 0.25]), jnp.ones(2)]
+
+    def trajectory(opt):
+        update = jax.jit(opt.update) if jit else opt.update
+        params, state, out = jnp.zeros(2), opt.init(jnp.zeros(2)), []
+        for g in grads:
+            updates, state = update(g, state, params)
+            params = optax.apply_updates(params, updates)
+            out.append(np.asarray(params))
+        return np.stack(out)
+
+    expected = trajectory(optax.MultiSteps(optax.sgd(0.5), every_k))
+    opt = optax_ext.MultiSteps(optax.sgd(0.5), every_k)
+    if every_k is _never and not jit:
+        # Known while tracing, False is refused as 0 is (optax never emits).
+        with pytest.raises(ValueError, match="every_k_schedule returned False"):
+            trajectory(opt)
+        return
+    np.testing.assert_array_equal(trajectory(opt), expected)
 
 
 def test_numpy_int_every_k_is_accepted():
@@ -597,10 +639,11 @@ def test_vmap_over_independent_windows():
     states = [opt.init(params), opt.update(grads[1, 0], opt.init(params), params)[1]]
     batched = jax.tree.map(lambda a, b: jnp.stack([a, b]), *states)
     step = jax.jit(jax.vmap(opt.update, in_axes=(0, 0, None)))
+    one = jax.jit(opt.update)  # jitted as `step` is: compared bit for bit
     for t in range(1, 4):
         got, batched = step(grads[:, t], batched, params)
         for m in range(2):
-            want, states[m] = opt.update(grads[m, t], states[m], params)
+            want, states[m] = one(grads[m, t], states[m], params)
             np.testing.assert_array_equal(to_np(got[m]), to_np(want))
     assert avals(jax.tree.map(lambda x: x[0], batched)) == avals(states[0])
 

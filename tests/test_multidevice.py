@@ -14,12 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import hlo_computations
+from _helpers import hlo_computations, xla_cpu_only
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_ext
+
+COMPILED = xla_cpu_only("compiled HLO (collectives, copies) on 8 host devices")
 
 pytestmark = pytest.mark.multidevice
 
@@ -164,6 +166,7 @@ INNERS = {
 }
 
 
+@COMPILED
 @pytest.mark.parametrize("inner", INNERS)
 @pytest.mark.parametrize("wrapper", ["multi_steps", "inject", "composed"])
 @pytest.mark.parametrize("mode", ["Explicit", "Auto"])
@@ -212,6 +215,7 @@ def test_donated_update_adds_no_resharding(inner, wrapper, mode):
         assert leaf.sharding.is_equivalent_to(param.sharding, leaf.ndim), path
 
 
+@COMPILED
 @pytest.mark.parametrize("form", ["update", "apply_gradients"])
 @pytest.mark.parametrize("mode", ["Explicit", "Auto"])
 def test_train_step_with_many_sharded_leaves_adds_no_collective(mode, form):
@@ -435,6 +439,7 @@ def _all_reduces(text):
     return re.findall(r"= (\([^)]*\)|\S+) all-reduce(?:-start)?\(", text)
 
 
+@COMPILED
 @pytest.mark.parametrize("form", ["update", "apply_gradients"])
 @pytest.mark.parametrize("skip", [False, True])
 def test_mini_step_has_no_collective_and_emit_reduces_once(skip, form):
@@ -481,6 +486,7 @@ def test_mini_step_has_no_collective_and_emit_reduces_once(skip, form):
     )
 
 
+@COMPILED
 @pytest.mark.parametrize("inner", ["adam", "lion"])
 def test_deferred_mini_step_copies_no_array(inner):
     """Inside shard_map every array is this device's own, so the in-place
@@ -523,6 +529,7 @@ def test_deferred_mini_step_copies_no_array(inner):
         assert copies == []
 
 
+@COMPILED
 def test_optax_multisteps_needs_a_reduction_every_mini_step():
     """The contrast: optax.MultiSteps sees already-reduced gradients, so
     every mini-step all-reduces every gradient leaf."""

@@ -15,8 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import xla_cpu_only
 
 import optax_ext
+
+COMPILED = xla_cpu_only("compiled module size and memory analysis")
 
 
 def counting(inner: optax.GradientTransformation, calls: list):
@@ -228,6 +231,7 @@ def _size(name: str, n: int) -> int:
     return _instructions(_lower(WRAPPERS[name](), _params(n), **extra).compile())
 
 
+@COMPILED
 @pytest.mark.parametrize("name", WRAPPERS)
 def test_compiled_size_is_linear_in_leaves(name):
     """Compiled instructions per added leaf are the same from 24 to 96 and
@@ -240,6 +244,7 @@ def test_compiled_size_is_linear_in_leaves(name):
     assert abs(second / first - 1) < 0.02, (small, mid, large, first, second)
 
 
+@COMPILED
 def test_compiled_size_per_leaf_at_most_optax():
     """Per leaf, the compiled MultiSteps train step holds no more
     instructions than optax.MultiSteps' (which has no conditional and no
@@ -252,6 +257,7 @@ def test_compiled_size_per_leaf_at_most_optax():
     assert ours <= theirs, (ours, theirs)
 
 
+@COMPILED
 def test_no_ordering_chain_in_any_leaf_loop():
     """The guard against the quadratic forms: the step holds about one bit
     cast per update leaf, and no fused loop reads more than a bounded number
@@ -339,6 +345,7 @@ def _train_step_temp(name: str, n: int) -> int:
     return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
+@COMPILED
 @pytest.mark.parametrize("nesting", ["MultiSteps(skip_when)", "skip_when(MultiSteps)"])
 def test_skip_when_with_multi_steps_needs_no_temporary_at_300_leaves(nesting):
     """`test_hlo.py::test_skip_when_with_multi_steps_needs_no_temporary` with

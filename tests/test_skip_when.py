@@ -28,6 +28,7 @@ def test_skipped_steps_leave_the_state_and_return_zeros(dtype):
     opt = optax.chain(optax_ext.zero_nans(), optax_ext.skip_when(inner))
     bare = optax.chain(optax_ext.zero_nans(), inner)
     state, ref_state = opt.init(params), bare.init(params)
+    bare_update = jax.jit(bare.update)
     traces = []
 
     @jax.jit
@@ -46,7 +47,9 @@ def test_skipped_steps_leave_the_state_and_return_zeros(dtype):
             ):
                 np.testing.assert_array_equal(to_np(a), to_np(b))
         else:
-            want, ref_state = bare.update(grads, ref_state, params)
+            # Jitted, as `step` is: bit for bit in bfloat16 holds between
+            # compiled forms, not against eager op-by-op rounding.
+            want, ref_state = bare_update(grads, ref_state, params)
             for a, b in zip(
                 jax.tree.leaves(updates), jax.tree.leaves(want), strict=True
             ):

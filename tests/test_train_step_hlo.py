@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _helpers import hlo_computations
+from _helpers import hlo_computations, xla_cpu_only
 from test_hlo import _assert_idle_branch_only_writes_zeros, _opcode
 
 import optax_ext
+
+pytestmark = xla_cpu_only("compiled HLO and memory analysis of the train step")
 
 NEVER = 1_000_000
 INNER = {
