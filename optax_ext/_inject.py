@@ -66,8 +66,8 @@ def inject_hyperparams(
     as a strongly typed array, in `hyperparam_dtype` if given, else in the
     dtype of the value given (float32 for a Python float, float64 under x64;
     an int given where the factory takes a float, by its default or its
-    annotation, as a float: `weight_decay=0`, `learning_rate=1`), so the state's avals survive checkpoints. Where it is
-    handed to the factory, a hyperparameter given as a Python number or a
+    annotation, as a float: `weight_decay=0`, `learning_rate=1`), so the
+    state's avals survive checkpoints. Where it is handed to the factory, a hyperparameter given as a Python number or a
     weakly typed array, and every schedule value, is made weakly typed, so
     it promotes as the Python number would: with bfloat16 params
     `b2=0.999` is not rounded to bfloat16 (`1.0`) and the updates have the
