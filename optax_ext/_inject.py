@@ -67,13 +67,13 @@ def inject_hyperparams(
     dtype of the value given (float32 for a Python float, float64 under x64;
     an int given where the factory takes a float, by its default or its
     annotation, as a float: `weight_decay=0`, `learning_rate=1`), so the
-    state's avals survive checkpoints. Where it is handed to the factory, a hyperparameter given as a Python number or a
-    weakly typed array, and every schedule value, is made weakly typed, so
-    it promotes as the Python number would: with bfloat16 params
-    `b2=0.999` is not rounded to bfloat16 (`1.0`) and the updates have the
-    bare optimizer's dtype. The
-    updates are bit for bit those of the bare factory given each injected
-    number rounded to its stored dtype (`b2=float(np.float32(0.999))`). They
+    state's avals survive checkpoints. Where it is handed to the factory, a
+    hyperparameter given as a Python number or a weakly typed array, and
+    every schedule value, is made weakly typed, so it promotes as the Python
+    number would: with bfloat16 params `b2=0.999` is not rounded to bfloat16
+    (`1.0`) and the updates have the bare optimizer's dtype. The updates are
+    bit for bit those of the bare factory given each injected number rounded
+    to its stored dtype (`b2=float(np.float32(0.999))`). They
     differ from the bare factory given the unrounded Python numbers where the
     factory does arithmetic on hyperparameters in Python (float64): adam's
     `1 - b2`. Name a hyperparameter in `static_args` to keep it a Python
