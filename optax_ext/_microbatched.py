@@ -567,11 +567,16 @@ def microbatched(
     - leaves that are not arrays (an Equinox model's activation functions,
       `None` gradients) are returned as `grad_fn` gives them.
 
+    With `weight_fn`, floating leaves are combined as
+    `sum_j w_j x_j / sum_j w_j` instead, `w_j` micro-batch `j`'s weight: for
+    a loss that is a mean over the batch's non-padding tokens, with `w_j`
+    the micro-batch's token count, that is the whole batch's loss and
+    gradient (integer leaves are still summed, bool ones `any`-ed).
+
     An output with a row per example (per-example losses as aux, gradients
     with respect to the batch itself) is averaged element by element like
-    any floating leaf, so it comes back with the rows of one micro-batch,
-    each the mean of `k` examples: not its whole-batch value. Reduce such
-    outputs over the rows inside `grad_fn`, or leave them out.
+    any floating leaf, unless `per_example` marks it: then it comes back
+    whole, each row where the batch has it (optax.microbatching's CONCAT).
 
     Micro-batch `j` is the rows `j, j + k, j + 2k, ...` of the batch.
     Keyword arguments are passed to every call unchanged.
@@ -629,6 +634,28 @@ def microbatched(
       each output in its own dtype.
     - `axis_name`: the mesh axis (or tuple of axes) the batch is sharded
       over, where it is not in the batch's type (see Sharding).
+    - `weight_fn`: None, or a function called like `grad_fn` (the batch cut
+      to one micro-batch, the same other arguments) that returns that
+      micro-batch's weight, a real scalar >= 0 (e.g.
+      `lambda params, batch: batch["mask"].sum()`). Floating outputs are
+      then the weighted mean, computed as `MultiSteps(weighted=True)` does
+      (a weighted running mean; a micro-batch of weight 0 is not read, so
+      its NaN loss does not spread); all weights 0 give zeros. Across
+      devices each device's weighted mean and weight go into the one
+      reduction after the loop, which divides by the summed weight. The
+      weights are traced: negative ones are not caught.
+    - `per_example`: `False` (the default), `True`, or a pytree prefix of
+      `grad_fn`'s output with bool leaves: the outputs marked `True` have a
+      row per example of the micro-batch (leading axis) and come back with a
+      row per example of the whole batch, in the batch's order, not
+      combined. With a sharded batch they stay sharded like it.
+    - `num_real_microbatches`: None, or an int (a traced one too, e.g. the
+      size of a ragged last batch, with no recompilation): only the first
+      `n` micro-batches run (rows whose index mod `k` is below `n`, given
+      the split above); the rest of the batch is never read. Means are over
+      the real micro-batches; per-example rows of the others are zeros. A
+      known value must be from 0 to `k`; a traced one is clipped to that
+      range.
 
     **Returns:**
 

@@ -608,6 +608,22 @@ class MultiSteps(Configured):
       accumulates in each params leaf's own dtype.
     - `axis_name`: accumulate per device inside `jax.shard_map` and average
       across this axis once per window (`docs/data_parallel.md`).
+    - `weighted`: if `True`, `update` and `apply_gradients` take each
+      mini-step's `weight=` (a scalar >= 0, traced: e.g. its number of
+      non-padding tokens) and the window emits `sum_i w_i g_i / sum_i w_i`,
+      the gradient of the mean over all of the window's tokens when each
+      `g_i` is its micro-batch's token-mean gradient. A weight of 0 leaves
+      no trace (its gradient, even NaN, is not read); a window whose weights
+      sum to 0 emits zeros, leaves the inner state (and, fused, the params)
+      as they were and does not advance `gradient_step`. With `axis_name`
+      the weights are each device's own and the mean is over every device's
+      tokens, still in one all-reduce per window. The state is then a
+      `WeightedMultiStepsState` (`optax.MultiStepsState`'s fields and
+      `acc_weight`, the window's running weight). A weight known while
+      tracing must be finite and >= 0; a traced one is not checked (a
+      negative or NaN one gives a meaningless mean). Needs
+      `use_grad_mean=True`. See "Uneven micro-batches" in
+      `docs/multi_steps.md`.
 
     Two `MultiSteps` built from equal arguments compare and hash equal, so a
     jitted step taking the optimizer as a static argument compiles once.
@@ -728,7 +744,9 @@ class MultiSteps(Configured):
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.MultiStepsState]:
         """Accumulates `updates`; returns the inner optimizer's updates on the
-        last mini-step of a window and zeros otherwise."""
+        last mini-step of a window and zeros otherwise. With `weighted=True`,
+        pass `weight=` (this mini-step's weight); it is not forwarded to the
+        inner optimizer."""
         return self._step(updates, state, params, extra_args, fused=False)
 
     def _apply_gradients(
