@@ -171,9 +171,7 @@ class AxisView(OneView):
             scaled = a * weight.astype(a.dtype)
             return jnp.where(weight > 0, scaled, jnp.zeros_like(scaled))
 
-        summed, total = lax.psum(
-            (jax.tree.map(part, acc), weight), self.axis_name
-        )
+        summed, total = lax.psum((jax.tree.map(part, acc), weight), self.axis_name)
         keep = total > 0
         safe = jnp.where(keep, total, jnp.ones_like(total))
         return jax.tree.map(lambda s: s / safe.astype(s.dtype), summed), keep

@@ -201,8 +201,10 @@ class _Options(NamedTuple):
 
 def _check_weight(weight: Any) -> jax.Array:
     dtype = getattr(weight, "dtype", None)
-    if dtype is None and isinstance(weight, int | float) and not isinstance(
-        weight, bool
+    if (
+        dtype is None
+        and isinstance(weight, int | float)
+        and not isinstance(weight, bool)
     ):
         dtype = jnp.result_type(weight)
     real = dtype is not None and (

@@ -36,7 +36,9 @@ def _batch(counts, rows=4, seed=0):
     """The batch whose micro-batch j (rows j, j + K, ...) holds counts[j]
     tokens."""
     parts = [micro_batch(seed + j, n, rows=rows) for j, n in enumerate(counts)]
-    return {k: np.stack([p[k] for p in parts], axis=1).reshape(-1, LENGTH) for k in parts[0]}
+    return {
+        k: np.stack([p[k] for p in parts], axis=1).reshape(-1, LENGTH) for k in parts[0]
+    }
 
 
 def _whole64(fn, params, batch):
@@ -45,9 +47,11 @@ def _whole64(fn, params, batch):
         p64 = jax.tree.map(lambda p: p.astype(jnp.float64), params)
         out = jax.jit(fn)(p64, {k: jnp.asarray(v) for k, v in batch.items()})
         return jax.tree.map(
-            lambda v: np.asarray(v, np.float32)
-            if jnp.issubdtype(v.dtype, jnp.floating)
-            else np.asarray(v),
+            lambda v: (
+                np.asarray(v, np.float32)
+                if jnp.issubdtype(v.dtype, jnp.floating)
+                else np.asarray(v)
+            ),
             out,
         )
 
@@ -146,7 +150,9 @@ def test_per_example_outputs_come_back_whole_in_batch_order():
     _assert_close((loss, rows, grads), (want_loss, want_rows, want_grads))
     # Without weights too (the mean of the micro-batches' means, per_example
     # unchanged).
-    plain = optax_ext.microbatched(per_example_grad_fn, K, per_example=((False, True), False))
+    plain = optax_ext.microbatched(
+        per_example_grad_fn, K, per_example=((False, True), False)
+    )
     (_, rows), _ = jax.jit(plain)(params, batch)
     _assert_close(rows, want_rows)
 
@@ -182,7 +188,11 @@ def test_num_real_microbatches_is_traced_one_compilation():
         got = step(params, batch, jnp.int32(n))
         _assert_close(got, _whole64(jax.value_and_grad(token_mean_loss), params, real))
         per_micro = [
-            _whole64(jax.grad(token_mean_loss), params, {k: v[j::K] for k, v in batch.items()})
+            _whole64(
+                jax.grad(token_mean_loss),
+                params,
+                {k: v[j::K] for k, v in batch.items()},
+            )
             for j in range(n)
         ]
         want = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *per_micro)
@@ -272,15 +282,21 @@ def test_devices_give_the_whole_batch_token_mean_in_one_all_reduce(mode):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis,))
     with jax.set_mesh(mesh):
         sharded = jax.device_put(
-            {k: jnp.asarray(v) for k, v in batch.items()}, NamedSharding(mesh, P("data"))
+            {k: jnp.asarray(v) for k, v in batch.items()},
+            NamedSharding(mesh, P("data")),
         )
         p = jax.device_put(params, NamedSharding(mesh, P()))
         if mode == "shard_map":
-            inner = optax_ext.microbatched(grad_fn, K, weight_fn=tokens_of, axis_name="data")
+            inner = optax_ext.microbatched(
+                grad_fn, K, weight_fn=tokens_of, axis_name="data"
+            )
             fn = jax.shard_map(inner, in_specs=(P(), P("data")), out_specs=P())
         else:
             fn = optax_ext.microbatched(
-                grad_fn, K, weight_fn=tokens_of, axis_name=None if mode == "explicit" else "data"
+                grad_fn,
+                K,
+                weight_fn=tokens_of,
+                axis_name=None if mode == "explicit" else "data",
             )
         compiled = jax.jit(fn).lower(p, sharded).compile()
         (loss, aux), grads = compiled(p, sharded)
@@ -296,7 +312,9 @@ def test_devices_give_the_whole_batch_token_mean_in_one_all_reduce(mode):
     floats = [r for r in outside if "f32[" in r]
     assert len(outside) == 2 and len(floats) == 1, outside
     assert len(re.findall(r"f32\[", floats[0])) == len(jax.tree.leaves(want_grads)) + 3
-    assert re.findall(r"\w+\[", [r for r in outside if r not in floats][0]) == ["s32["] * 2
+    assert (
+        re.findall(r"\w+\[", [r for r in outside if r not in floats][0]) == ["s32["] * 2
+    )
 
 
 @pytest.mark.multidevice
@@ -308,7 +326,8 @@ def test_per_example_outputs_keep_each_device_s_rows():
     )
     with jax.set_mesh(mesh):
         sharded = jax.device_put(
-            {k: jnp.asarray(v) for k, v in batch.items()}, NamedSharding(mesh, P("data"))
+            {k: jnp.asarray(v) for k, v in batch.items()},
+            NamedSharding(mesh, P("data")),
         )
         (loss, rows), grads = jax.jit(fn)(params, sharded)
         assert rows.sharding.spec[0] == "data"
@@ -328,9 +347,15 @@ def test_equinox_model_and_filter_grad():
 
     batch = _batch(COUNTS)
     grad_fn = eqx.filter_value_and_grad(loss)
-    got = eqx.filter_jit(optax_ext.microbatched(grad_fn, K, weight_fn=tokens_of))(model, batch)
+    got = eqx.filter_jit(optax_ext.microbatched(grad_fn, K, weight_fn=tokens_of))(
+        model, batch
+    )
     with jax.enable_x64(True):
-        m64 = jax.tree.map(lambda x: x.astype(jnp.float64) if eqx.is_inexact_array(x) else x, model)
+        m64 = jax.tree.map(
+            lambda x: x.astype(jnp.float64) if eqx.is_inexact_array(x) else x, model
+        )
         want = grad_fn(m64, {k: jnp.asarray(v) for k, v in batch.items()})
-        want = jax.tree.map(lambda x: np.asarray(x, np.float32), eqx.filter(want, eqx.is_array))
+        want = jax.tree.map(
+            lambda x: np.asarray(x, np.float32), eqx.filter(want, eqx.is_array)
+        )
     _assert_close(eqx.filter(got, eqx.is_array), want)

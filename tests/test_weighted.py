@@ -204,7 +204,7 @@ def test_random_token_counts_give_the_big_batch_gradient(windows, seed):
         "update",
     )
     want = _reference(lambda: optax.sgd(1.0), params, batches)
-    for (got_updates, _), (want_updates, want_params) in zip(got, want, strict=True):
+    for (got_updates, _), (want_updates, _) in zip(got, want, strict=True):
         if want_updates is None:  # a window without tokens
             for leaf in jax.tree.leaves(got_updates):
                 np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
@@ -398,7 +398,9 @@ def test_orbax_round_trip_mid_window_continues_bit_identical_without_retrace(
         "opt_state": jax.eval_shape(opt.init, params),
     }
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
-        manager.save(2, args=ocp.args.StandardSave(dict(params=mid[0], opt_state=mid[1])))
+        manager.save(
+            2, args=ocp.args.StandardSave(dict(params=mid[0], opt_state=mid[1]))
+        )
         manager.wait_until_finished()
     with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
         restored = manager.restore(2, args=ocp.args.StandardRestore(abstract))
@@ -425,3 +427,42 @@ def test_example_weighted_tokens_trains_with_no_gap():
     assert losses[-1] < losses[0], losses
     assert gaps["weighted gradient"] < 1e-5 and gaps["weighted update"] < 1e-5, gaps
     assert gaps["unweighted gradient"] > 1e-2, gaps
+
+
+def test_skipped_mini_step_counts_neither_gradient_nor_weight():
+    """With should_skip_update_fn=optax.skip_not_finite, a mini-step whose
+    gradient is not finite (weight above 0) is skipped: the window emits
+    the token mean of the others, as plain optax on their concatenation."""
+    params = params32()
+    batches = [micro_batch(i, n) for i, n in enumerate([7, 12, 25])]
+    grads = [grad(params, b) for b in batches]
+    bad = jax.tree.map(lambda g: np.full_like(g, np.inf), grads[0])
+    opt = optax_ext.MultiSteps(
+        optax.sgd(1.0), 2, should_skip_update_fn=optax.skip_not_finite, weighted=True
+    )
+    step = jax.jit(lambda g, s, w: opt.update(g, s, params, weight=w))
+    state = opt.init(params)
+    _, state = step(grads[0], state, tokens(batches[0]))
+    _, state = step(bad, state, 30)
+    updates, state = step(grads[2], state, tokens(batches[2]))
+    (want, _), *_ = _reference(
+        lambda: optax.sgd(1.0), params, [[batches[0], batches[2]]]
+    )
+    _assert_close(updates, want)
+    assert int(state.gradient_step) == 1
+
+
+def test_inside_chain_through_gradient_transformation():
+    """`weight=` reaches MultiSteps through optax.chain's extra arguments."""
+    params = params32()
+    batches = [micro_batch(i, n) for i, n in enumerate([3, 29])]
+    ms = optax_ext.MultiSteps(optax.sgd(1.0), 2, weighted=True)
+    opt = optax.chain(ms.gradient_transformation(), optax.scale(2.0))
+    step = jax.jit(lambda g, s, w: opt.update(g, s, params, weight=w))
+    state = opt.init(params)
+    for b in batches:
+        updates, state = step(grad(params, b), state, tokens(b))
+    (want, _), *_ = _reference(
+        lambda: optax.chain(optax.sgd(1.0), optax.scale(2.0)), params, [batches]
+    )
+    _assert_close(updates, want)

@@ -95,7 +95,9 @@ def _sharded_step(opt, fused):
         # This device's own gradient and token count (leading axis of 1).
         grads = jax.tree.map(lambda g: g[0], grads)
         if fused:
-            return optax_ext.apply_gradients(opt, grads, state, params, weight=weight[0])
+            return optax_ext.apply_gradients(
+                opt, grads, state, params, weight=weight[0]
+            )
         updates, state = opt.update(grads, state, params, weight=weight[0])
         return optax.apply_updates(params, updates), state
 
@@ -148,9 +150,7 @@ def test_unweighted_devices_miss_the_big_batch():
     specs = opt.state_specs()
 
     @jax.jit
-    @jax.shard_map(
-        mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs)
-    )
+    @jax.shard_map(mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
     def step(params, state, grads):
         grads = jax.tree.map(lambda g: jnp.nan_to_num(g[0]), grads)
         updates, state = opt.update(grads, state, params)
@@ -161,8 +161,12 @@ def test_unweighted_devices_miss_the_big_batch():
         init = jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs)
         state = jax.jit(init)(p)
         for per_device in batches:
-            grads = jax.tree.map(lambda *g: np.stack(g), *[grad(params, b) for b in per_device])
-            p, state = step(p, state, jax.device_put(grads, NamedSharding(mesh, P("data"))))
+            grads = jax.tree.map(
+                lambda *g: np.stack(g), *[grad(params, b) for b in per_device]
+            )
+            p, state = step(
+                p, state, jax.device_put(grads, NamedSharding(mesh, P("data")))
+            )
     want = _reference(INNERS["sgd"], params, batches)
     delta = np.asarray(jax.device_get(p)["out"]) - np.asarray(params["out"])
     want_delta = np.asarray(want["out"]) - np.asarray(params["out"])
@@ -241,7 +245,5 @@ def test_params_sharded_under_jit_equal_the_big_batch(form):
             p, state = step(p, state, g, tokens(batch))
         for name, leaf in p.items():
             assert leaf.sharding.is_equivalent_to(shard[name], leaf.ndim), name
-    want = _reference(
-        INNERS["adam"], params, [[b] for b in batches]
-    )
+    want = _reference(INNERS["adam"], params, [[b] for b in batches])
     _assert_close(jax.device_get(p), want)
