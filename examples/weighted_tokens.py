@@ -13,7 +13,9 @@ window's, relative L2: the plain mean of the micro-batches' token means
 mean. With `--bucketed` the micro-batches hold sequences of similar lengths
 (length bucketing), so their token counts differ the most. It exits
 non-zero if the loss does not fall or the weighted gap is not far below the
-unweighted one. The data is synthetic. From the repository root:
+unweighted one. The whole window's gradient is computed in float32 (from bfloat16 params
+with `--dtype bfloat16`, where the micro-batches' own bfloat16 gradients
+stay about 5% from it). The data is synthetic. From the repository root:
 
     python examples/weighted_tokens.py [--windows N] [--bucketed] [--dtype bfloat16]
 """
@@ -126,15 +128,20 @@ def _rel(a, b) -> float:
 
 def make_gaps(static):
     """`gaps(params, inner_state, window)`: the relative L2 distance to the
-    whole window's gradient and to adamw's update from it (from
-    `inner_state`), of the gradients that MultiSteps emits without and with
-    weights."""
+    whole window's gradient (computed in float32 whatever the params' dtype)
+    and to adamw's update from it (from `inner_state`), of the gradients
+    that MultiSteps emits without and with weights."""
 
     @jax.jit
     def grad(params, batch):
         return jax.grad(lambda p: token_mean_loss(eqx.combine(p, static), batch))(
             params
         )
+
+    @jax.jit
+    def grad32(params, batch):
+        g = grad(jax.tree.map(lambda p: p.astype(jnp.float32), params), batch)
+        return g, jax.tree.map(lambda g, p: g.astype(p.dtype), g, params)
 
     inner = inner_optimizer()
     inner_update = jax.jit(inner.update)
@@ -145,9 +152,14 @@ def make_gaps(static):
 
     def gaps(params, inner_state, window):
         big = {k: jnp.concatenate([b[k] for b in window]) for k in window[0]}
-        want = grad(params, big)
-        want_u, _ = inner_update(want, inner_state, params)
-        out = {}
+        want, rounded = grad32(params, big)
+        want_u, _ = inner_update(rounded, inner_state, params)
+        # The floor: one step on the whole window in the params' dtype.
+        whole = grad(params, big)
+        out = {"whole window gradient": _rel(whole, want)}
+        out["whole window update"] = _rel(
+            inner_update(whole, inner_state, params)[0], want_u
+        )
         for weighted, (acc, update) in accumulate.items():
             state = acc.init(params)
             for b in window:
@@ -196,17 +208,21 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     losses, gap = train(args.windows, args.bucketed, jnp.dtype(args.dtype))
     print(f"loss: {losses[0]:.4f} -> {losses[-1]:.4f}")
-    print("relative L2 distance to the whole window's (mean over 6 windows):")
-    print("| accumulated | gradient | adamw update |")
+    print("relative L2 distance to the whole window's float32 gradient and adamw's")
+    print("update from it (mean over 6 windows):")
+    print("| computed as | gradient | adamw update |")
     print("|---|---|---|")
-    for name in ("unweighted", "weighted"):
+    for name in ("unweighted", "weighted", "whole window"):
         print(
             f"| {name} | {gap[f'{name} gradient']:.2e} | {gap[f'{name} update']:.2e} |"
         )
     if not losses[-1] < 0.8 * losses[0]:
         print("FAILED: the loss did not fall", file=sys.stderr)
         return 1
-    if not gap["weighted gradient"] < 0.01 * gap["unweighted gradient"]:
+    # float32: only rounding is left; bfloat16: the micro-batches' own
+    # gradients are that far from the float32 one.
+    factor = 0.01 if args.dtype == "float32" else 0.5
+    if not gap["weighted gradient"] < factor * gap["unweighted gradient"]:
         print(
             "FAILED: the weighted gap is not far below the unweighted", file=sys.stderr
         )

@@ -286,9 +286,7 @@ def _weight_dtype(acc: PyTree) -> Any:
     """float32, or float64 where an accumulator works in float64 or
     complex128: the ratio of weights divides gradients in that dtype."""
     for a in jax.tree.leaves(acc):
-        if jnp.finfo(_work_dtype(jnp.result_type(a))).bits == 64 or (
-            jnp.result_type(a) == jnp.complex128
-        ):
+        if jnp.finfo(_work_dtype(jnp.result_type(a))).bits == 64:  # complex128 too
             return jnp.dtype(jnp.float64)
     return jnp.dtype(jnp.float32)
 
@@ -552,7 +550,7 @@ class _Weights(NamedTuple):
 
 
 def _window_weights(
-    acc_weight: jax.Array, weight: Any, mini_step: jax.Array, devices: Any
+    acc_weight: jax.Array, weight: Any, mini_step: jax.Array
 ) -> _Weights:
     """The running weight after adding `weight`, and how `_fold_weighted`
     folds it in. A window's first mini-step starts from 0, whatever the
@@ -565,7 +563,6 @@ def _window_weights(
     total = before + w
     nothing = w == 0
     scale = total / jnp.where(nothing, jnp.ones((), dtype), w)
-    del devices
     return _Weights(stored, total, (before == 0, nothing, scale))
 
 
@@ -813,7 +810,7 @@ class MultiSteps(Configured):
 
         folding = weights = None
         if self._weighted:
-            weights = _window_weights(state.acc_weight, weight, mini_step, devices)
+            weights = _window_weights(state.acc_weight, weight, mini_step)
             folding = weights.folding
         acc_grads = _accumulate(
             updates,
