@@ -45,7 +45,11 @@ TOKENS = np.array(
         [0, 0, 0, 0, 0, 0, 0, 0],
     ]
 )
-INNERS = {"sgd": lambda: optax.sgd(0.5), "adam": lambda: optax.adam(1e-2)}
+INNERS = {
+    "sgd": lambda: optax.sgd(0.5),
+    "adam": lambda: optax.adam(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=4),
+}
 
 
 def _batches():
