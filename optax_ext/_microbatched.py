@@ -6,7 +6,10 @@ signature that loops over `k` micro-batches of its batch argument in a
 `lax.fori_loop` and returns the mean. It is the in-step form of gradient
 accumulation, beside the optimizer form `MultiSteps`: one call, one
 optimizer step, metrics and schedules per global batch, and compiled memory
-of one micro-batch plus one gradient-sized accumulator.
+of one micro-batch plus one gradient-sized accumulator. `weight_fn` makes it
+a weighted mean (a token-mean loss over padded micro-batches);
+`per_example` and `num_real_microbatches` are optax.microbatching's CONCAT
+and ragged last batch.
 
 Sharding is part of the contract. Micro-batch `j` is the rows `j, j + k,
 j + 2k, ...` of the batch: with the batch sharded over a data axis, every

@@ -5,8 +5,10 @@ last mini-step of a window the inner optimizer runs, inside one `lax.cond`,
 on the window's mean. Everything is chosen by selection, never by
 arithmetic on state, so no dtype changes and no NaN or `inf` crosses a
 window. With `axis_name`, each device accumulates its own gradients and they
-are averaged once per window. How the accumulator, the inner state and the
-params stay in their donated buffers is in `docs/design.md`.
+are averaged once per window. With `weighted=True` each mini-step brings a
+weight (its token count) and the window emits the weighted mean. How the
+accumulator, the inner state and the params stay in their donated buffers
+is in `docs/design.md`.
 """
 
 from __future__ import annotations
