@@ -4,6 +4,7 @@ from ._apply import apply_gradients as apply_gradients
 from ._inject import inject_hyperparams as inject_hyperparams
 from ._microbatched import microbatched as microbatched
 from ._multi_steps import MultiSteps as MultiSteps
+from ._multi_steps import WeightedMultiStepsState as WeightedMultiStepsState
 from ._skip_when import skip_when as skip_when
 from ._stop_gradient import stop_gradient_where as stop_gradient_where
 from ._zero_nans import zero_nans as zero_nans
@@ -12,6 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MultiSteps",
+    "WeightedMultiStepsState",
     "apply_gradients",
     "inject_hyperparams",
     "microbatched",

@@ -118,7 +118,8 @@ def apply_gradients(
     - `opt_state`: the optimizer's state.
     - `params`: the params (or Equinox model) to update.
     - `**extra_args`: passed to `update` (`skip=` for `skip_when`,
-      `value=` for `optax.contrib.reduce_on_plateau`, ...).
+      `weight=` for `MultiSteps(weighted=True)`, `value=` for
+      `optax.contrib.reduce_on_plateau`, ...).
 
     **Returns:**
 

@@ -75,6 +75,14 @@ class OneView:
         """The window's accumulated gradients from the stored accumulator."""
         return acc
 
+    def window_weighted_mean(
+        self, acc: PyTree, weight: jax.Array
+    ) -> tuple[PyTree, jax.Array | None]:
+        """The window's weighted mean and whether its weight is above 0:
+        `None` here, where the caller knows that before the window ends."""
+        del weight
+        return acc, None
+
 
 class AxisView(OneView):
     """With `axis_name`: `acc_grads` and `skip_state` hold this device's own
@@ -147,6 +155,26 @@ class AxisView(OneView):
         """This device's mean (or sum) averaged over the devices, in the
         accumulator's dtype: the only collective of a window."""
         return lax.pmean(jax.tree.map(lambda a: a[0], acc), self.axis_name)
+
+    def window_weighted_mean(
+        self, acc: PyTree, weight: jax.Array
+    ) -> tuple[PyTree, jax.Array]:
+        """The weighted mean over every device's mini-steps: each device's
+        weighted mean times its weight, summed with the weights in one
+        all-reduce (the window's only collective) and divided by their sum;
+        zeros where that sum is 0 (the caller then applies nothing). A
+        device whose weight is 0 adds zeros, whatever its accumulator
+        holds."""
+
+        def part(a: jax.Array) -> jax.Array:
+            a = a[0]
+            scaled = a * weight.astype(a.dtype)
+            return jnp.where(weight > 0, scaled, jnp.zeros_like(scaled))
+
+        summed, total = lax.psum((jax.tree.map(part, acc), weight), self.axis_name)
+        keep = total > 0
+        safe = jnp.where(keep, total, jnp.ones_like(total))
+        return jax.tree.map(lambda s: s / safe.astype(s.dtype), summed), keep
 
 
 def view(axis_name: Hashable | None) -> OneView:

@@ -6,7 +6,10 @@ signature that loops over `k` micro-batches of its batch argument in a
 `lax.fori_loop` and returns the mean. It is the in-step form of gradient
 accumulation, beside the optimizer form `MultiSteps`: one call, one
 optimizer step, metrics and schedules per global batch, and compiled memory
-of one micro-batch plus one gradient-sized accumulator.
+of one micro-batch plus one gradient-sized accumulator. `weight_fn` makes it
+a weighted mean (a token-mean loss over padded micro-batches);
+`per_example` and `num_real_microbatches` are optax.microbatching's CONCAT
+and ragged last batch.
 
 Sharding is part of the contract. Micro-batch `j` is the rows `j, j + k,
 j + 2k, ...` of the batch: with the batch sharded over a data axis, every
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -35,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._sharding import cast_varying, typed_sharding, varying_axes
-from ._tree import as_index, check_accumulator_dtype, widen
+from ._tree import as_index, check_accumulator_dtype, describe_value, widen
 
 
 def _check_num_microbatches(num_microbatches: Any) -> int:
@@ -203,18 +206,175 @@ def _pcast_varying(tree: PyTree, axis_name: Hashable) -> PyTree:
     return jax.tree.map(cast, tree)
 
 
+class _Options(NamedTuple):
+    """What `microbatched` does beyond the plain mean: see its docstring."""
+
+    weight_fn: Callable | None = None
+    per_example: Any = False
+    num_real_microbatches: Any = None
+
+
+def _check_weight(weight: Any) -> jax.Array:
+    dtype = getattr(weight, "dtype", None)
+    if (
+        dtype is None
+        and isinstance(weight, int | float)
+        and not isinstance(weight, bool)
+    ):
+        dtype = jnp.result_type(weight)
+    real = dtype is not None and (
+        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    )
+    if not real or dtype == jnp.bool_ or jnp.shape(weight) != ():
+        raise TypeError(
+            "weight_fn must return a real scalar >= 0 (the micro-batch's "
+            "weight, e.g. its number of non-padding tokens), got "
+            f"{describe_value(weight)}."
+        )
+    return jnp.asarray(weight)
+
+
+def _weight_dtype(acc_dtypes: list, kinds: list) -> Any:
+    """float32, or float64 where a floating output accumulates in float64
+    or complex128."""
+    for dtype, kind in zip(acc_dtypes, kinds, strict=True):
+        if kind == "mean" and jnp.dtype(dtype) in (
+            jnp.dtype("float64"),
+            jnp.dtype("complex128"),
+        ):
+            return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
+
+
+def _per_example_flags(per_example: Any, out_shape: PyTree, shapes: PyTree) -> list:
+    """`per_example` (a bool, or a pytree prefix of grad_fn's output with
+    bool leaves) as one flag per array leaf of the output."""
+    if isinstance(per_example, bool):
+        return [per_example] * len(jax.tree.leaves(shapes))
+    try:
+        full = jax.tree.map(
+            lambda flag, sub: jax.tree.map(lambda _: flag, sub), per_example, shapes
+        )
+    except ValueError as e:
+        raise ValueError(
+            "per_example must be a bool or a pytree prefix of grad_fn's output "
+            f"with bool leaves; grad_fn returned {jax.tree.structure(out_shape)}, "
+            f"per_example is {jax.tree.structure(per_example)}. ({e})"
+        ) from None
+    flags = jax.tree.leaves(full)
+    for flag in flags:
+        if not isinstance(flag, bool | np.bool_):
+            raise TypeError(
+                f"per_example's leaves must be True or False, got {flag!r}."
+            )
+    return [bool(f) for f in flags]
+
+
+def _check_num_real(value: Any, k: int) -> Any:
+    """`num_real_microbatches`: None, or an int scalar; from 0 to `k` where
+    known (a traced one is clipped to that range)."""
+    if value is None:
+        return None
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        dtype = None if isinstance(value, bool) else jnp.result_type(value)
+    if (
+        dtype is None
+        or not jnp.issubdtype(dtype, jnp.integer)
+        or jnp.shape(value) != ()
+        or isinstance(value, bool)
+    ):
+        raise TypeError(
+            "num_real_microbatches must be None or an int scalar (how many "
+            "of the micro-batches hold real data), got "
+            f"{describe_value(value)}."
+        )
+    try:
+        known = int(np.asarray(value))
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return value
+    if not 0 <= known <= k:
+        raise ValueError(
+            f"num_real_microbatches must be from 0 to num_microbatches={k}, "
+            f"got {known}."
+        )
+    return value
+
+
+def _loop_bound(value: Any, k: int) -> Any:
+    if value is None:
+        return k
+    if isinstance(value, int | np.integer):
+        return int(value)
+    return jnp.clip(jnp.asarray(value).astype(jnp.int32), 0, k)
+
+
+def _unsplit(acc: jax.Array) -> jax.Array:
+    """A per-example output's carry `(rows, k, ...)` as the batch's rows:
+    micro-batch `j`'s row `a` is the batch's row `a * k + j`."""
+    return acc.reshape(acc.shape[0] * acc.shape[1], *acc.shape[2:])
+
+
+def _finish_weighted(
+    kinds: list,
+    acc: list,
+    total: jax.Array,
+    flat_shapes: list,
+    axis_name: Hashable | None,
+) -> list:
+    """The weighted loop's results: floating ones are each device's weighted
+    mean (zeros where its weights sum to 0); across devices, every device's
+    mean times its weight, its integer sums, bool flags and its weight go
+    into one `psum`, and the means are divided by the summed weight."""
+    if axis_name is not None:
+        parts = []
+        for kind, a in zip(kinds, acc, strict=True):
+            if kind == "mean":
+                parts.append(a * total.astype(a.dtype))
+            elif kind == "any":
+                parts.append(a.astype(jnp.int32))
+            elif kind == "sum":
+                parts.append(a)
+            else:
+                parts.append(None)
+        reduced = [p for p in parts if p is not None]
+        summed, total = lax.psum((reduced, total), axis_name)
+        it = iter(summed)
+        safe = jnp.where(total > 0, total, jnp.ones_like(total))
+        new = []
+        for kind, a in zip(kinds, acc, strict=True):
+            if kind == "concat":
+                new.append(a)
+                continue
+            value = next(it)
+            if kind == "mean":
+                value = value / safe.astype(value.dtype)
+            elif kind == "any":
+                value = value > 0
+            new.append(value)
+        acc = new
+    results = []
+    for kind, a, (_, s) in zip(kinds, acc, flat_shapes, strict=True):
+        results.append(_unsplit(a) if kind == "concat" else a.astype(s.dtype))
+    return results
+
+
 def _accumulate(
     grad_fn: Callable,
     k: int,
     argnums: tuple[int, ...],
     key_argnum: int | None,
     accumulator_dtype: Any,
+    options: _Options,
     axis_name: Hashable | None,
     args: tuple,
     kwargs: dict,
+    concat_kinds: list | None = None,
 ) -> PyTree:
     """The loop, on this device's rows; with `axis_name` bound, one reduction
-    across it after the loop."""
+    across it after the loop. `options` holds `weight_fn`, `per_example` and
+    `num_real_microbatches`; where `concat_kinds` is a list, it gets which
+    output leaves are per-example ones (for `_in_shard_map`'s out_specs)."""
     if axis_name is not None:
         args, kwargs = _pcast_varying((args, kwargs), axis_name)
     size = jnp.shape(jax.tree.leaves(args[argnums[0]])[0])[0]
@@ -236,7 +396,7 @@ def _accumulate(
     if key_argnum is not None:
         keys = jax.random.split(args[key_argnum], k)
 
-    def call(j: jax.Array) -> PyTree:
+    def cut(j: jax.Array) -> list:
         call_args = list(args)
         for i in argnums:
             call_args[i] = jax.tree.map(
@@ -249,7 +409,14 @@ def _accumulate(
                 # Each device's rows get their own dropout masks.
                 key = jax.random.fold_in(key, lax.axis_index(axis_name))
             call_args[key_argnum] = key
-        return grad_fn(*call_args, **kwargs)
+        return call_args
+
+    def call(j: jax.Array) -> PyTree:
+        return grad_fn(*cut(j), **kwargs)
+
+    def weight_of(j: jax.Array) -> jax.Array:
+        assert options.weight_fn is not None
+        return _check_weight(options.weight_fn(*cut(j), **kwargs))
 
     out_shape = eqx.filter_eval_shape(call, jnp.zeros((), jnp.int32))
     is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
@@ -263,10 +430,22 @@ def _accumulate(
         is_leaf=is_struct,
     )
     flat_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    rows = size // k
+    flags = _per_example_flags(options.per_example, out_shape, shapes)
     kinds, acc_dtypes = [], []
-    for path, s in flat_shapes:
+    for (path, s), per_example in zip(flat_shapes, flags, strict=True):
         name = f"at {jax.tree_util.keystr(path) or 'the root'}"
-        if jnp.issubdtype(s.dtype, jnp.inexact):
+        if per_example:
+            if not s.shape or s.shape[0] != rows:
+                raise ValueError(
+                    f"per_example marks grad_fn's output {name} as having a "
+                    f"row per example, but on a micro-batch of {rows} rows it "
+                    f"has shape {s.shape}: its leading axis must be the "
+                    "micro-batch's rows."
+                )
+            kinds.append("concat")
+            acc_dtypes.append(s.dtype)
+        elif jnp.issubdtype(s.dtype, jnp.inexact):
             kinds.append("mean")
             acc_dtypes.append(_acc_dtype(s.dtype, accumulator_dtype, name))
         elif s.dtype == jnp.bool_:
@@ -281,18 +460,38 @@ def _accumulate(
                 "floating (mean), integer (sum) and bool (any) outputs only."
             )
 
-    def combine(kind: str, j: jax.Array, out: jax.Array, acc: jax.Array):
+    weighted = options.weight_fn is not None
+    weight_dtype = _weight_dtype(acc_dtypes, kinds)
+
+    def combine(kind: str, j: jax.Array, out: jax.Array, acc: jax.Array, fold):
+        if kind == "concat":
+            return lax.dynamic_update_index_in_dim(acc, out, j, axis=1)
         out = widen(out, acc.dtype)
         if kind == "sum":
             return acc + out
         if kind == "any":
             return jnp.logical_or(acc, out)
+        if fold is not None:
+            # MultiSteps' weighted running mean (`_fold_weighted`): a
+            # weight-0 micro-batch's outputs, NaN ones included, leave none.
+            first, nothing, scale = fold
+            running = acc + (out - acc) / scale.astype(acc.dtype)
+            return jnp.where(nothing, acc, jnp.where(first, out, running))
         # The running mean of MultiSteps, so both forms give the same bits on
         # the same micro-batches; the first one is selected (no 0 * inf).
         running = acc + (out - acc) / (j + 1).astype(acc.dtype)
         return jnp.where(j == 0, out, running)
 
-    def body(j: jax.Array, acc: list) -> list:
+    def body(j: jax.Array, carry: tuple) -> tuple:
+        acc, total = carry
+        fold = None
+        if weighted:
+            w = weight_of(j).astype(weight_dtype)
+            new_total = total + w
+            nothing = w == 0
+            scale = new_total / jnp.where(nothing, jnp.ones_like(w), w)
+            fold = (total == 0, nothing, scale)
+            total = new_total
         dynamic = eqx.filter(call(j), _is_value)
         outs = jax.tree.leaves(dynamic)
         if len(outs) != len(acc):
@@ -302,22 +501,42 @@ def _accumulate(
             )
         new = []
         for kind, out, a in zip(kinds, outs, acc, strict=True):
-            value = combine(kind, j, out, a)
+            value = combine(kind, j, out, a, fold)
             if axis_name is not None:
                 value = _match_varying(value, a)
             new.append(value)
-        return new
+        if axis_name is not None and weighted:
+            total = _match_varying(total, carry[1])
+        return new, total
 
     init = []
-    for (_, s), dtype in zip(flat_shapes, acc_dtypes, strict=True):
-        zero = jnp.zeros(s.shape, dtype)
+    for (_, s), dtype, kind in zip(flat_shapes, acc_dtypes, kinds, strict=True):
+        shape = (s.shape[0], k, *s.shape[1:]) if kind == "concat" else s.shape
+        zero = jnp.zeros(shape, dtype)
         if axis_name is not None:
             zero = _pcast_varying(zero, axis_name)
         init.append(zero)
-    acc = lax.fori_loop(0, k, body, init)
+    total = jnp.zeros((), weight_dtype)
+    if axis_name is not None and weighted:
+        total = _pcast_varying(total, axis_name)
+    acc, total = lax.fori_loop(
+        0, _loop_bound(options.num_real_microbatches, k), body, (init, total)
+    )
+    if concat_kinds is not None:
+        concat_kinds.extend(kind == "concat" for kind in kinds)
+    if weighted:
+        return eqx.combine(
+            jax.tree_util.tree_unflatten(
+                treedef, _finish_weighted(kinds, acc, total, flat_shapes, axis_name)
+            ),
+            static,
+        )
 
     results = []
     for kind, a, (_, s) in zip(kinds, acc, flat_shapes, strict=True):
+        if kind == "concat":
+            results.append(_unsplit(a))
+            continue
         if axis_name is not None:
             # The one reduction across devices: each device's mean (or sum)
             # over its micro-batches, in the accumulator's dtype.
@@ -348,6 +567,9 @@ def microbatched(
     key_argnum: int | None = None,
     accumulator_dtype: Any = jnp.float32,
     axis_name: Hashable | None = None,
+    weight_fn: Callable | None = None,
+    per_example: Any = False,
+    num_real_microbatches: int | jax.Array | None = None,
 ) -> Callable:
     """Computes `grad_fn` on a batch one micro-batch at a time, in one
     compiled loop, and returns its mean: the in-step form of gradient
@@ -372,11 +594,16 @@ def microbatched(
       that `jax.grad(..., allow_int=True)` gives) are returned as `grad_fn`
       gives them.
 
+    With `weight_fn`, floating leaves are combined as
+    `sum_j w_j x_j / sum_j w_j` instead, `w_j` micro-batch `j`'s weight: for
+    a loss that is a mean over the batch's non-padding tokens, with `w_j`
+    the micro-batch's token count, that is the whole batch's loss and
+    gradient (integer leaves are still summed, bool ones `any`-ed).
+
     An output with a row per example (per-example losses as aux, gradients
     with respect to the batch itself) is averaged element by element like
-    any floating leaf, so it comes back with the rows of one micro-batch,
-    each the mean of `k` examples: not its whole-batch value. Reduce such
-    outputs over the rows inside `grad_fn`, or leave them out.
+    any floating leaf, unless `per_example` marks it: then it comes back
+    whole, each row where the batch has it (optax.microbatching's CONCAT).
 
     Micro-batch `j` is the rows `j, j + k, j + 2k, ...` of the batch.
     Keyword arguments are passed to every call unchanged.
@@ -434,6 +661,28 @@ def microbatched(
       each output in its own dtype.
     - `axis_name`: the mesh axis (or tuple of axes) the batch is sharded
       over, where it is not in the batch's type (see Sharding).
+    - `weight_fn`: None, or a function called like `grad_fn` (the batch cut
+      to one micro-batch, the same other arguments) that returns that
+      micro-batch's weight, a real scalar >= 0 (e.g.
+      `lambda params, batch: batch["mask"].sum()`). Floating outputs are
+      then the weighted mean, computed as `MultiSteps(weighted=True)` does
+      (a weighted running mean; a micro-batch of weight 0 is not read, so
+      its NaN loss does not spread); all weights 0 give zeros. Across
+      devices each device's weighted mean and weight go into the one
+      reduction after the loop, which divides by the summed weight. The
+      weights are traced: negative ones are not caught.
+    - `per_example`: `False` (the default), `True`, or a pytree prefix of
+      `grad_fn`'s output with bool leaves: the outputs marked `True` have a
+      row per example of the micro-batch (leading axis) and come back with a
+      row per example of the whole batch, in the batch's order, not
+      combined. With a sharded batch they stay sharded like it.
+    - `num_real_microbatches`: None, or an int (a traced one too, e.g. the
+      size of a ragged last batch, with no recompilation): only the first
+      `n` micro-batches run (rows whose index mod `k` is below `n`, given
+      the split above); the rest of the batch is never read. Means are over
+      the real micro-batches; per-example rows of the others are zeros. A
+      known value must be from 0 to `k`; a traced one is clipped to that
+      range.
 
     **Returns:**
 
@@ -455,6 +704,19 @@ def microbatched(
     k = _check_num_microbatches(num_microbatches)
     argnums, key_argnum = _check_argnums(batch_argnums, key_argnum)
     acc_dtype = check_accumulator_dtype(accumulator_dtype, complex_ok=False)
+    if weight_fn is not None and not callable(weight_fn):
+        raise TypeError(
+            "weight_fn must be None or a function taking grad_fn's arguments "
+            "(the batch cut to one micro-batch) and returning its weight, got "
+            f"{describe_value(weight_fn)}."
+        )
+    if not isinstance(per_example, bool | np.bool_):
+        jax.tree.map(lambda _: None, per_example)  # a pytree (checked on call)
+    options = _Options(
+        weight_fn,
+        bool(per_example) if isinstance(per_example, bool | np.bool_) else per_example,
+        _check_num_real(num_real_microbatches, k),
+    )
 
     def wrapped(*args: Any, **kwargs: Any) -> PyTree:
         needed = max(argnums + ((key_argnum,) if key_argnum is not None else ()))
@@ -475,7 +737,9 @@ def microbatched(
                 f"{type(key).__name__} of shape {jnp.shape(key)} and dtype "
                 f"{getattr(key, 'dtype', None)}."
             )
-        run = functools.partial(_accumulate, grad_fn, k, argnums, key_argnum, acc_dtype)
+        run = functools.partial(
+            _accumulate, grad_fn, k, argnums, key_argnum, acc_dtype, options
+        )
         if axis_name is not None and _is_manual(axis_name):
             return run(axis_name, args, kwargs)
         spec, mesh = _batch_spec(args, argnums)
@@ -514,20 +778,28 @@ def _in_shard_map(
         tuple(P(spec) if i in argnums else P() for i in range(len(dyn_args))),
         P(),
     )
-    out_static = []
+    out_static, out_def, concat_kinds = [], [], []
 
     def local(dyn_args, dyn_kwargs):
         args, kwargs = eqx.combine((dyn_args, dyn_kwargs), static)
-        out = run(spec, tuple(args), kwargs)
+        out = run(spec, tuple(args), kwargs, concat_kinds)
         dyn_out, static_out = eqx.partition(out, _is_value)
         out_static.append(static_out)
-        return dyn_out
+        leaves, treedef = jax.tree.flatten(dyn_out)
+        out_def.append(treedef)
+        # Per-example outputs keep each device's rows: split over the axes.
+        reduced = [x for x, c in zip(leaves, concat_kinds, strict=True) if not c]
+        rows = [x for x, c in zip(leaves, concat_kinds, strict=True) if c]
+        return reduced, rows
 
-    dyn_out = jax.shard_map(
+    reduced, rows = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=in_specs,
-        out_specs=P(),
+        out_specs=(P(), P(spec)),
         axis_names=set(axes),
     )(tuple(dyn_args), dyn_kwargs)
+    reduced_it, rows_it = iter(reduced), iter(rows)
+    leaves = [next(rows_it) if c else next(reduced_it) for c in concat_kinds]
+    dyn_out = jax.tree.unflatten(out_def[0], leaves)
     return eqx.combine(dyn_out, out_static[0])

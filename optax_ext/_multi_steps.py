@@ -5,14 +5,16 @@ last mini-step of a window the inner optimizer runs, inside one `lax.cond`,
 on the window's mean. Everything is chosen by selection, never by
 arithmetic on state, so no dtype changes and no NaN or `inf` crosses a
 window. With `axis_name`, each device accumulates its own gradients and they
-are averaged once per window. How the accumulator, the inner state and the
-params stay in their donated buffers is in `docs/design.md`.
+are averaged once per window. With `weighted=True` each mini-step brings a
+weight (its token count) and the window emits the weighted mean. How the
+accumulator, the inner state and the params stay in their donated buffers
+is in `docs/design.md`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +25,7 @@ from jaxtyping import Array, Bool, PyTree
 
 from ._apply import apply_gradients, merge_trainable, with_extra_args
 from ._conditional import check_transformation, update_if
-from ._devices import view
+from ._devices import AxisView, view
 from ._sharding import mirror_param_sharding
 from ._static import Configured, config_key
 from ._tree import (
@@ -268,6 +270,109 @@ def _fold(g: jax.Array, acc: jax.Array, mini_step: jax.Array, mean: bool) -> jax
     return lax.convert_element_type(lax.select(mini_step == 0, g, running), acc.dtype)
 
 
+class WeightedMultiStepsState(NamedTuple):
+    """The state of `MultiSteps(..., weighted=True)`: the fields of
+    `optax.MultiStepsState`, in its order, and the window's running weight."""
+
+    mini_step: jax.Array
+    """The number of mini-steps accumulated in this window (int32)."""
+    gradient_step: jax.Array
+    """The number of windows applied (int32); a window of weight 0 is not."""
+    inner_opt_state: Any
+    """The inner optimizer's state."""
+    acc_grads: Any
+    """The window's weighted running mean of the gradients."""
+    skip_state: Any
+    """What `should_skip_update_fn` returned last (`()` without one)."""
+    acc_weight: jax.Array
+    """The sum of the window's weights so far (float32; float64 for float64
+    or complex128 accumulators). With `axis_name`, this device's own."""
+
+
+_NO_WEIGHT = object()
+
+
+def _weight_dtype(acc: PyTree) -> Any:
+    """float32, or float64 where an accumulator works in float64 or
+    complex128: the ratio of weights divides gradients in that dtype."""
+    for a in jax.tree.leaves(acc):
+        if jnp.finfo(_work_dtype(jnp.result_type(a))).bits == 64:  # complex128 too
+            return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
+
+
+def _check_weight(weight: Any, weighted: bool, method: str) -> Any:
+    """The `weight` of one mini-step, checked: given exactly when `weighted`,
+    a real scalar, and >= 0 and finite where known while tracing."""
+    if not weighted:
+        if weight is not _NO_WEIGHT:
+            raise TypeError(
+                f"MultiSteps.{method} got weight={describe_value(weight)}, but "
+                "this MultiSteps was built without weighted=True, where every "
+                "mini-step counts the same. Build it with "
+                "`MultiSteps(..., weighted=True)` (and init its state again) "
+                "to average the mini-steps by weight."
+            )
+        return None
+    if weight is _NO_WEIGHT:
+        raise TypeError(
+            f"MultiSteps(weighted=True).{method} needs `weight=`: this "
+            "mini-step's weight, a scalar >= 0 (e.g. its number of "
+            "non-padding tokens). The window emits the mean of its gradients "
+            "weighted by it."
+        )
+    dtype = getattr(weight, "dtype", None)
+    if dtype is None:
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            dtype = None
+        else:
+            dtype = jnp.result_type(weight)
+    real = (
+        dtype is not None
+        and not isinstance(weight, bool)
+        and dtype != jnp.bool_
+        and (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
+    )
+    if not real or jnp.shape(weight) != ():
+        raise TypeError(
+            f"MultiSteps.{method}'s `weight` must be a real scalar >= 0 (an "
+            "int or float, e.g. the mini-step's number of non-padding tokens), "
+            f"got {describe_value(weight)}."
+        )
+    try:
+        known = float(np.asarray(weight))
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return weight  # traced: not checked (see the docstring)
+    if not (known >= 0 and np.isfinite(known)):
+        raise ValueError(
+            f"MultiSteps.{method}'s `weight` must be finite and >= 0, got "
+            f"{known!r}: it is the mini-step's share of the window (e.g. its "
+            "number of non-padding tokens)."
+        )
+    return weight
+
+
+def _fold_weighted(
+    g: jax.Array,
+    acc: jax.Array,
+    first: jax.Array,
+    nothing: jax.Array,
+    scale: jax.Array,
+) -> jax.Array:
+    """`acc` with `g` folded in at weight `w`: the weighted running mean
+    `acc + (g - acc) / (W / w)`, `W` the window's weight with `w`; `g` is
+    *selected* where nothing came before (`first`), and `acc` kept where
+    `w == 0` (`nothing`), so a weight-0 gradient, even a NaN one, leaves no
+    trace."""
+    work = _work_dtype(acc.dtype)
+    g = widen(jnp.asarray(g), work)
+    old = lax.convert_element_type(acc, work)
+    scale = lax.broadcast_in_dim(lax.convert_element_type(scale, work), old.shape, ())
+    running = lax.add(old, lax.div(lax.sub(g, old), scale))
+    new = lax.convert_element_type(lax.select(first, g, running), acc.dtype)
+    return lax.select(nothing, acc, new)
+
+
 def _accumulate(
     grads: PyTree,
     acc: PyTree,
@@ -275,14 +380,19 @@ def _accumulate(
     mean: bool,
     should_skip: jax.Array | None,
     devices: Any,
+    weighted: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> PyTree:
-    """`acc` with `grads` folded in (`_fold`), kept where `should_skip`.
+    """`acc` with `grads` folded in (`_fold`; `_fold_weighted` with its
+    `(first, nothing, scale)` given as `weighted`), kept where `should_skip`.
     The gradient gets the state's device axis (if any), which the
     accumulator keeps through the `cond`: a reshape of the `cond`'s result
     made XLA copy it into the state."""
 
     def one(g: jax.Array, a: jax.Array) -> jax.Array:
-        new = _fold(devices.add_axis(g), a, mini_step, mean)
+        if weighted is None:
+            new = _fold(devices.add_axis(g), a, mini_step, mean)
+        else:
+            new = _fold_weighted(devices.add_axis(g), a, *weighted)
         return new if should_skip is None else lax.select(should_skip, a, new)
 
     return jax.tree.map(one, grads, acc)
@@ -395,6 +505,77 @@ def _check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None
         )
 
 
+def _check_weighted(weighted: Any, use_grad_mean: Any) -> bool:
+    if not isinstance(weighted, bool | np.bool_):
+        raise TypeError(
+            f"weighted must be True or False, got {describe_value(weighted)}."
+        )
+    if weighted and not use_grad_mean:
+        raise ValueError(
+            "MultiSteps(weighted=True) emits the weighted mean of the window's "
+            "gradients; it takes no use_grad_mean=False. For the gradient of "
+            "a sum over the window's tokens, scale the inner optimizer's "
+            "learning rate by the window's weight instead."
+        )
+    return bool(weighted)
+
+
+def _check_state_kind(state: Any, weighted: bool, method: str) -> None:
+    """Raises where the state is of the other kind (weighted or not) than
+    this `MultiSteps`, or its `acc_weight` is not a float scalar."""
+    has = isinstance(state, WeightedMultiStepsState) or hasattr(state, "acc_weight")
+    if weighted and not has:
+        raise TypeError(
+            f"MultiSteps(weighted=True).{method}'s `state` has no acc_weight: "
+            f"got {type(state).__name__}, not the WeightedMultiStepsState that "
+            "its init returns. Build the state with this MultiSteps' init."
+        )
+    if not weighted and isinstance(state, WeightedMultiStepsState):
+        raise TypeError(
+            f"MultiSteps.{method} was built without weighted=True but got a "
+            "WeightedMultiStepsState (from MultiSteps(..., weighted=True).init); "
+            "build both with the same `weighted`."
+        )
+    if weighted:
+        value = state.acc_weight
+        dtype = getattr(value, "dtype", None)
+        if (
+            dtype is None
+            or not jnp.issubdtype(dtype, jnp.floating)
+            or jnp.shape(value) not in ((), (1,))
+        ):
+            raise TypeError(
+                f"MultiSteps.{method}'s `state.acc_weight` must be a float "
+                "scalar (as init builds it), got "
+                f"{describe_value(value)}."
+            )
+
+
+class _Weights(NamedTuple):
+    """One weighted mini-step's scalars (`_window_weights`)."""
+
+    stored: jax.Array  # the state's running weight, as it came in
+    total: jax.Array  # the window's running weight with this mini-step's
+    folding: tuple[jax.Array, jax.Array, jax.Array]  # `_fold_weighted`'s
+
+
+def _window_weights(
+    acc_weight: jax.Array, weight: Any, mini_step: jax.Array
+) -> _Weights:
+    """The running weight after adding `weight`, and how `_fold_weighted`
+    folds it in. A window's first mini-step starts from 0, whatever the
+    state holds. `W / w` is computed with `w` replaced by 1 where it is 0
+    (it is then not used), so no step makes a NaN or `inf`."""
+    stored = acc_weight if jnp.ndim(acc_weight) == 0 else acc_weight[0]
+    dtype = stored.dtype
+    w = lax.convert_element_type(jnp.asarray(weight), dtype)
+    before = jnp.where(mini_step == 0, jnp.zeros((), dtype), stored)
+    total = before + w
+    nothing = w == 0
+    scale = total / jnp.where(nothing, jnp.ones((), dtype), w)
+    return _Weights(stored, total, (before == 0, nothing, scale))
+
+
 class MultiSteps(Configured):
     """Accumulates gradients over several mini-steps, then applies `opt` once.
 
@@ -435,6 +616,22 @@ class MultiSteps(Configured):
       accumulates in each params leaf's own dtype.
     - `axis_name`: accumulate per device inside `jax.shard_map` and average
       across this axis once per window (`docs/data_parallel.md`).
+    - `weighted`: if `True`, `update` and `apply_gradients` take each
+      mini-step's `weight=` (a scalar >= 0, traced: e.g. its number of
+      non-padding tokens) and the window emits `sum_i w_i g_i / sum_i w_i`,
+      the gradient of the mean over all of the window's tokens when each
+      `g_i` is its micro-batch's token-mean gradient. A weight of 0 leaves
+      no trace (its gradient, even NaN, is not read); a window whose weights
+      sum to 0 emits zeros, leaves the inner state (and, fused, the params)
+      as they were and does not advance `gradient_step`. With `axis_name`
+      the weights are each device's own and the mean is over every device's
+      tokens, still in one all-reduce per window. The state is then a
+      `WeightedMultiStepsState` (`optax.MultiStepsState`'s fields and
+      `acc_weight`, the window's running weight). A weight known while
+      tracing must be finite and >= 0; a traced one is not checked (a
+      negative or NaN one gives a meaningless mean). Needs
+      `use_grad_mean=True`. See "Uneven micro-batches" in
+      `docs/multi_steps.md`.
 
     Two `MultiSteps` built from equal arguments compare and hash equal, so a
     jitted step taking the optimizer as a static argument compiles once.
@@ -456,8 +653,10 @@ class MultiSteps(Configured):
         should_skip_update_fn: Callable[..., tuple[jax.Array, PyTree]] | None = None,
         accumulator_dtype: Any = jnp.float32,
         axis_name: Hashable | None = None,
+        weighted: bool = False,
     ):
         check_transformation(opt, "opt")
+        self._weighted = _check_weighted(weighted, use_grad_mean)
         self._opt = with_extra_args(opt)
         # As given: `apply_gradients` fuses through a nested MultiSteps or
         # skip_when, which `with_extra_args` would hide.
@@ -475,6 +674,7 @@ class MultiSteps(Configured):
             should_skip_update_fn,
             self._accumulator_dtype,
             axis_name,
+            self._weighted,
         )
         self._devices = view(axis_name)
         # `check_state_structure`'s answers by the avals of its template.
@@ -515,9 +715,15 @@ class MultiSteps(Configured):
             skip_state=skip_state,
         )
         state = mirror_param_sharding(state, params)
-        return state._replace(
+        state = state._replace(
             acc_grads=self._devices.add_axis(state.acc_grads),
             skip_state=self._devices.add_axis(state.skip_state),
+        )
+        if not self._weighted:
+            return state
+        weight = jnp.zeros((), _weight_dtype(acc_grads))
+        return WeightedMultiStepsState(
+            *state, acc_weight=self._devices.add_axis(weight)
         )
 
     def state_specs(self) -> optax.MultiStepsState:
@@ -526,13 +732,16 @@ class MultiSteps(Configured):
         and `skip_state` with `axis_name`, where each device accumulates its
         own (outside `shard_map` their leaves have a leading device axis)."""
         replicated: Any = jax.sharding.PartitionSpec()
-        return optax.MultiStepsState(
+        specs = optax.MultiStepsState(
             mini_step=replicated,
             gradient_step=replicated,
             inner_opt_state=replicated,
             acc_grads=self._devices.spec(),
             skip_state=self._devices.spec(),
         )
+        if not self._weighted:
+            return specs
+        return WeightedMultiStepsState(*specs, acc_weight=self._devices.spec())
 
     def update(
         self,
@@ -542,7 +751,9 @@ class MultiSteps(Configured):
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.MultiStepsState]:
         """Accumulates `updates`; returns the inner optimizer's updates on the
-        last mini-step of a window and zeros otherwise."""
+        last mini-step of a window and zeros otherwise. With `weighted=True`,
+        pass `weight=` (this mini-step's weight); it is not forwarded to the
+        inner optimizer."""
         return self._step(updates, state, params, extra_args, fused=False)
 
     def _apply_gradients(
@@ -568,7 +779,13 @@ class MultiSteps(Configured):
     ) -> tuple[PyTree, optax.MultiStepsState]:
         devices = self._devices
         devices.check_bound("update")
-        _check_state(state, "apply_gradients" if fused else "update")
+        method = "apply_gradients" if fused else "update"
+        _check_state(state, method)
+        extra_args = dict(extra_args)
+        weight = _check_weight(
+            extra_args.pop("weight", _NO_WEIGHT), self._weighted, method
+        )
+        _check_state_kind(state, self._weighted, method)
         acc_in = devices.drop_axis(state.acc_grads)
         all_params = params
         if params is not None:
@@ -602,6 +819,10 @@ class MultiSteps(Configured):
         if skipping:
             should_skip = devices.agree(should_skip)
 
+        folding = weights = None
+        if self._weighted:
+            weights = _window_weights(state.acc_weight, weight, mini_step)
+            folding = weights.folding
         acc_grads = _accumulate(
             updates,
             state.acc_grads,
@@ -609,10 +830,27 @@ class MultiSteps(Configured):
             self._use_grad_mean,
             should_skip if skipping else None,
             devices,
+            folding,
         )
         emit = jnp.logical_and(
             jnp.logical_not(should_skip), _window_complete(mini_step, k)
         )
+        if weights is not None:
+            return self._weighted_step(
+                weights,
+                emit,
+                should_skip,
+                skip_state,
+                acc_grads,
+                state,
+                updates,
+                given,
+                params,
+                all_params,
+                record,
+                extra_args,
+                fused=fused,
+            )
         update_dtypes = jax.tree.map(lambda g: jnp.result_type(g), updates)
 
         def window_grads(acc_grads):
@@ -663,6 +901,105 @@ class MultiSteps(Configured):
             inner_opt_state=strong_as_recorded(inner_state, record),
             acc_grads=acc_grads,
             skip_state=devices.add_axis(skip_state),
+        )
+        return result, new_state
+
+    def _weighted_step(
+        self,
+        weights: _Weights,
+        window_end: jax.Array,
+        should_skip: jax.Array,
+        skip_state: PyTree,
+        acc_grads: PyTree,
+        state: WeightedMultiStepsState,
+        updates: PyTree,
+        given: PyTree,
+        params: PyTree | None,
+        all_params: PyTree | None,
+        record: Any,
+        extra_args: dict[str, Any],
+        *,
+        fused: bool,
+    ) -> tuple[PyTree, WeightedMultiStepsState]:
+        """The rest of `_step` with `weighted=True`: the window's weighted
+        mean goes to the inner optimizer where the window's weights sum to
+        more than 0. On one device that is known before the `cond` (its
+        predicate); with `axis_name` only after the window's all-reduce, so
+        the emitting branch selects the updates (zeros), the inner state and
+        the params as they came in where the sum over the devices is 0, and
+        hands the decision out with the inner state."""
+        devices = self._devices
+        mini_step = jnp.asarray(state.mini_step)
+        gradient_step = jnp.asarray(state.gradient_step)
+        update_dtypes = jax.tree.map(lambda g: jnp.result_type(g), updates)
+        local = not isinstance(devices, AxisView)
+        pred = jnp.logical_and(window_end, weights.total > 0) if local else window_end
+
+        def window_grads(acc_grads):
+            mean, keep = devices.window_weighted_mean(acc_grads, weights.total)
+            return jax.tree.map(_as_gradient, mean, update_dtypes), keep
+
+        def keep_or(keep, new, old):
+            return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
+
+        def inner_update(acc_grads, inner):
+            grads, keep = window_grads(acc_grads)
+            if keep is None:
+                return self._opt.update(grads, inner, params, **extra_args)
+            inner_state, _ = inner
+            out, new = self._opt.update(grads, inner_state, params, **extra_args)
+            out = jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), out)
+            return out, (keep_or(keep, new, inner_state), keep)
+
+        def inner_apply(acc_grads, inner, params):
+            grads, keep = window_grads(acc_grads)
+            inner_state = inner if keep is None else inner[0]
+            new_params, new = apply_gradients(
+                self._fusable_inner, grads, inner_state, params, **extra_args
+            )
+            if keep is None:
+                return new_params, new
+            return keep_or(keep, new_params, params), (
+                keep_or(keep, new, inner_state),
+                keep,
+            )
+
+        inner_in = state.inner_opt_state
+        if not local:
+            inner_in = (inner_in, jnp.zeros((), jnp.bool_))
+        if fused:
+            new_params, inner_out, acc_grads = update_if(
+                pred,
+                inner_apply,
+                acc_grads,
+                inner_in,
+                clear_grads=True,
+                carry=params,
+                index_by_live=True,
+            )
+            result = merge_trainable(all_params, new_params)
+        else:
+            result, inner_out, acc_grads = update_if(
+                pred,
+                inner_update,
+                acc_grads,
+                inner_in,
+                clear_grads=True,
+                index_by_live=True,
+            )
+            result = restore_none(given, result)
+        inner_state, emitted = (inner_out, pred) if local else inner_out
+        mini, _ = _next_counters(window_end, should_skip, mini_step, gradient_step)
+        _, gradient = _next_counters(emitted, should_skip, mini_step, gradient_step)
+        running = jnp.where(should_skip, weights.stored, weights.total)
+        acc_weight = jnp.where(window_end, jnp.zeros_like(running), running)
+        new_state = WeightedMultiStepsState(
+            mini,
+            gradient,
+            inner_opt_state=strong_as_recorded(inner_state, record),
+            acc_grads=acc_grads,
+            skip_state=devices.add_axis(skip_state),
+            acc_weight=devices.add_axis(acc_weight),
         )
         return result, new_state
 
