@@ -10,6 +10,7 @@ backends schedule and assign buffers their own way): those tests skip
 elsewhere.
 """
 
+import contextlib
 import re
 
 import jax
@@ -126,8 +127,9 @@ def _train_step(opt, form):
 
 
 def _compile(opt, form, mesh, params):
-    """The donated train step compiled for `params`, and the initial state."""
-    with jax.set_mesh(mesh):
+    """The donated train step compiled for `params`, and the initial state
+    (`mesh=None`: no mesh set, the arrays' shardings alone)."""
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         state = jax.jit(opt.init)(params)
         step = jax.jit(_train_step(opt, form), donate_argnums=(0, 1))
         return step.lower(params, state, params).compile(), state
@@ -180,6 +182,21 @@ def test_sharded_step_keeps_buffers_in_place(layout, name, mode):
     assert fused <= 0.1 * per_device, fused / per_device
     # The zero updates, and a few hundred bytes of tables (under 1%).
     assert drop_in <= 1.01 * per_device, (drop_in / per_device, fused / per_device)
+
+
+@CPU_ONLY
+@pytest.mark.parametrize("name", ["adam", "lion"])
+def test_sharded_step_without_a_mesh_set_keeps_buffers_in_place(name):
+    """The same with sharded arrays passed to `jax.jit` and no mesh set
+    (`Auto` axes from the arrays' shardings)."""
+    _, params = _setup("fsdp", "Auto")
+    per_device = _per_device_bytes(params)
+    temp = {}
+    for form in FORMS:
+        compiled, _ = _compile(OPTIMIZERS[name][0](), form, None, params)
+        temp[form] = compiled.memory_analysis().temp_size_in_bytes / per_device
+        assert _large_copies(compiled.as_text()) == [], form
+    assert temp["apply_gradients"] <= 0.1 and temp["update"] <= 1.01, temp
 
 
 def _grads(params, step):
