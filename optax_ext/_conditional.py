@@ -15,8 +15,10 @@ from jaxtyping import PyTree
 from ._sharding import (
     aval_varying_axes,
     cast_varying,
-    is_local,
+    element_readable,
+    read_replicated,
     sharded_type,
+    surely_replicated,
     varying_axes,
     zeros_like_struct,
 )
@@ -221,10 +223,16 @@ def _runtime_true(leaves: list[Any]) -> jax.Array | None:
     holds for every bit pattern of the first element of the first readable
     array of `leaves` that is the same on every device (inside
     `jax.shard_map`, a value varying over an axis would make `live` vary,
-    and the token's branches disagree in type); `None` where there is
-    none."""
+    and the token's branches disagree in type) and known to be whole on
+    each (outside `shard_map`, an element of a sharded array would be sent
+    by a collective on every call); `None` where there is none."""
     for x in leaves:
-        if isinstance(x, jax.Array) and _readable(x) and not varying_axes(x):
+        if (
+            isinstance(x, jax.Array)
+            and _readable(x)
+            and not varying_axes(x)
+            and surely_replicated(x)
+        ):
             return lax.reshape(_holds_for_any_bits(_first_bits(x)), ())
     return None
 
@@ -268,12 +276,15 @@ def _tagged_zeros(struct: Any, i: int, live: jax.Array) -> jax.Array:
     dtype = jnp.dtype(struct.dtype)
     width = _bits(dtype)
     small = math.prod(struct.shape) < DISTINCT_ZEROS_MIN_SIZE
-    if width is None or small or sharded_type(struct):
+    if width is None or small:
         return zeros_like_struct(struct)
     real = jnp.finfo(dtype).dtype if jnp.issubdtype(dtype, jnp.inexact) else dtype
     bits = jnp.asarray((i + 1) % 2**width, jnp.dtype(f"uint{width}"))
     tag = lax.convert_element_type(lax.bitcast_convert_type(bits, real), dtype)
-    return lax.broadcast(lax.select(live, tag, lax.full((), 0, dtype)), struct.shape)
+    fill = lax.select(live, tag, lax.full((), 0, dtype))
+    if sharded_type(struct):  # `Explicit` axes: the sharding is in the type
+        return lax.full(struct.shape, fill, dtype, sharding=struct.sharding)
+    return lax.broadcast(fill, struct.shape)
 
 
 def _outputs_reading_grads(jaxpr: Any, *, n_grads: int, n_consts: int = 0) -> list[int]:
@@ -419,31 +430,19 @@ def _token_after(arrays: list[jax.Array], live: jax.Array) -> jax.Array | None:
     O(len(arrays)) compiled ops in a few small kernels. (An
     element read in the open is fused into the loop that produces the
     array, which XLA then duplicates to compute that one element: no order.)
-    `None` when no array can be read: sharded (an element of it lives on one
-    device), empty or not numeric."""
+    Outside `shard_map`, an element of an array sharded over several devices
+    comes from the device holding it (`read_replicated`): a scalar
+    all-reduce per set of mesh axes that the arrays are sharded over, in the
+    branch that runs the inner optimizer. `None` when no
+    array can be read: empty, not numeric, or inside `shard_map` over some
+    mesh axes only."""
     arrays = [lax.stop_gradient(a) for a in arrays if _readable(a)]
     if not arrays:
         return None
 
     def read(live, arrays):
-        # One element of each array, as bits, tested in vectors of
-        # `_READS_PER_KERNEL` (a concatenate, a test that is always true, a
-        # reduction), then the same over the results until one is left: a
-        # tree of small kernels (XLA:CPU merges a few, up to 40 reads each).
-        # A chain of one `and` per array fused into one kernel with every
-        # read, which XLA took quadratic time to build and compile.
-        bits = [_first_bits(a) for a in arrays]
-        while True:  # at least once: the raw bits may be 0
-            bits = [
-                _all_set(bits[k : k + _READS_PER_KERNEL])
-                for k in range(0, len(bits), _READS_PER_KERNEL)
-            ]
-            if len(bits) == 1:
-                break
-        (bit,) = bits
-        return lax.bitwise_and(
-            live, lax.ne(lax.reshape(bit, ()), lax.full((), 0, bit.dtype))
-        )
+        bit = read_replicated(_one_bit, arrays)
+        return lax.bitwise_and(live, bit)
 
     # Inside `jax.shard_map`, `read` varies over every axis that an array
     # read (or `live`) varies over; the other branch must be typed alike.
@@ -467,6 +466,25 @@ def _select_after(token: jax.Array, value: jax.Array, other: jax.Array) -> jax.A
     if not set(varying_axes(token) or ()) <= set(varying_axes(value) or ()):
         return value
     return cast_like(lax.select(token, value, other), value)
+
+
+def _one_bit(arrays: list[jax.Array]) -> jax.Array:
+    """A scalar `True` read from one element of each of `arrays`, as bits,
+    tested in vectors of `_READS_PER_KERNEL` (a concatenate, a test that is
+    always true, a reduction), then the same over the results until one is
+    left: a tree of small kernels (XLA:CPU merges a few, up to 40 reads
+    each). A chain of one `and` per array fused into one kernel with every
+    read, which XLA took quadratic time to build and compile."""
+    bits = [_first_bits(a) for a in arrays]
+    while True:  # at least once: the raw bits may be 0
+        bits = [
+            _all_set(bits[k : k + _READS_PER_KERNEL])
+            for k in range(0, len(bits), _READS_PER_KERNEL)
+        ]
+        if len(bits) == 1:
+            break
+    (bit,) = bits
+    return lax.ne(lax.reshape(bit, ()), lax.full((), 0, bit.dtype))
 
 
 # How many reads `_token_after` concatenates at once: XLA:CPU fuses a
@@ -516,7 +534,7 @@ def _bits(dtype: Any) -> int | None:
 
 
 def _readable(x: jax.Array) -> bool:
-    return jnp.size(x) > 0 and _bits(x.dtype) is not None and is_local(x)
+    return jnp.size(x) > 0 and _bits(x.dtype) is not None and element_readable(x)
 
 
 def _zeros_after(grads: PyTree, done: jax.Array | None) -> PyTree:

@@ -19,7 +19,8 @@ across devices once, after the loop: inside `jax.shard_map` with
 `axis_name`, by a `pmean` after the loop; under `jax.jit` with a batch
 sharded over `Explicit` mesh axes (found from its type), or over an `Auto`
 axis named by `axis_name`, the loop runs inside a `jax.shard_map` over that
-axis that this module adds.
+axis that this module adds; with params split over the batch's axes (FSDP),
+under XLA's partitioner, which gathers them per micro-batch.
 """
 
 from __future__ import annotations
@@ -37,7 +38,14 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._sharding import cast_varying, typed_sharding, varying_axes
+from ._sharding import (
+    cast_varying,
+    shards_over,
+    split_leading,
+    typed_sharding,
+    varying_axes,
+    zeros_like_struct,
+)
 from ._tree import as_index, check_accumulator_dtype, describe_value, widen
 
 
@@ -370,11 +378,19 @@ def _accumulate(
     args: tuple,
     kwargs: dict,
     concat_kinds: list | None = None,
+    *,
+    regather: bool = False,
 ) -> PyTree:
     """The loop, on this device's rows; with `axis_name` bound, one reduction
     across it after the loop. `options` holds `weight_fn`, `per_example` and
     `num_real_microbatches`; where `concat_kinds` is a list, it gets which
-    output leaves are per-example ones (for `_in_shard_map`'s out_specs)."""
+    output leaves are per-example ones (for `_in_shard_map`'s out_specs).
+    With `regather`, everything but the batch passes an
+    `optimization_barrier` with the micro-batch index in each iteration, so
+    that XLA cannot hoist what it computes from the params (the all-gathers
+    of sharded params) out of the loop: gathered there, the whole model
+    stayed live through the loop (1.5x the full batch's temporary memory,
+    `docs/design.md`)."""
     if axis_name is not None:
         args, kwargs = _pcast_varying((args, kwargs), axis_name)
     size = jnp.shape(jax.tree.leaves(args[argnums[0]])[0])[0]
@@ -388,16 +404,16 @@ def _accumulate(
     # Rows (a * k + j) form micro-batch j: the reshape splits the batch axis
     # with the micro-batch index as the minor part, so a device's rows stay
     # its own in every micro-batch (the major split moved rows between them).
-    split = {
-        i: jax.tree.map(lambda x: x.reshape(size // k, k, *x.shape[1:]), args[i])
-        for i in argnums
-    }
+    split = {i: jax.tree.map(lambda x: split_leading(x, k), args[i]) for i in argnums}
     keys = None
     if key_argnum is not None:
         keys = jax.random.split(args[key_argnum], k)
 
     def cut(j: jax.Array) -> list:
         call_args = list(args)
+        call_kwargs = kwargs
+        if regather:
+            call_args, call_kwargs = _varying_with(j, (call_args, kwargs), argnums)
         for i in argnums:
             call_args[i] = jax.tree.map(
                 lambda x: lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False),
@@ -409,14 +425,16 @@ def _accumulate(
                 # Each device's rows get their own dropout masks.
                 key = jax.random.fold_in(key, lax.axis_index(axis_name))
             call_args[key_argnum] = key
-        return call_args
+        return call_args, call_kwargs
 
     def call(j: jax.Array) -> PyTree:
-        return grad_fn(*cut(j), **kwargs)
+        call_args, call_kwargs = cut(j)
+        return grad_fn(*call_args, **call_kwargs)
 
     def weight_of(j: jax.Array) -> jax.Array:
         assert options.weight_fn is not None
-        return _check_weight(options.weight_fn(*cut(j), **kwargs))
+        call_args, call_kwargs = cut(j)
+        return _check_weight(options.weight_fn(*call_args, **call_kwargs))
 
     out_shape = eqx.filter_eval_shape(call, jnp.zeros((), jnp.int32))
     is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
@@ -511,8 +529,12 @@ def _accumulate(
 
     init = []
     for (_, s), dtype, kind in zip(flat_shapes, acc_dtypes, kinds, strict=True):
-        shape = (s.shape[0], k, *s.shape[1:]) if kind == "concat" else s.shape
-        zero = jnp.zeros(shape, dtype)
+        if kind == "concat":
+            zero = jnp.zeros((s.shape[0], k, *s.shape[1:]), dtype)
+        else:
+            # With the output's sharding where its type has one (params
+            # sharded over `Explicit` axes): a sharded accumulator.
+            zero = zeros_like_struct(s, dtype)
         if axis_name is not None:
             zero = _pcast_varying(zero, axis_name)
         init.append(zero)
@@ -548,6 +570,17 @@ def _accumulate(
                 a = lax.psum(a.astype(jnp.int32), axis_name) > 0
         results.append(a.astype(s.dtype))
     return eqx.combine(jax.tree_util.tree_unflatten(treedef, results), static)
+
+
+def _varying_with(j: jax.Array, tree: Any, argnums: tuple[int, ...]) -> Any:
+    """`(args, kwargs)` as they are, but their arrays outside the batch
+    positions made to depend on `j` for XLA (an `optimization_barrier`)."""
+    args, kwargs = tree
+    others = {i: a for i, a in enumerate(args) if i not in argnums}
+    dynamic, static = eqx.partition((others, kwargs), eqx.is_array)
+    dynamic, _ = lax.optimization_barrier((dynamic, j))
+    others, kwargs = eqx.combine(dynamic, static)
+    return [others.get(i, a) for i, a in enumerate(args)], kwargs
 
 
 def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
@@ -635,8 +668,17 @@ def microbatched(
       axes are read from the batch's type; with `Auto` axes pass
       `axis_name` and call it under `jax.set_mesh`. The loop then runs inside
       a `jax.shard_map` over those axes (other mesh axes stay as they are).
-      The other arguments enter it replicated over the data axes (params
-      sharded over them are gathered once, before the loop).
+      The other arguments enter it replicated over the data axes: for
+      params replicated over them (data parallelism);
+    - with params split over the batch's axes (FSDP / ZeRO-3) under
+      `Explicit` axes (read from their types), or under `Auto` axes without
+      `axis_name`, the loop runs under XLA's partitioner, as the plain
+      jitted gradient does: each micro-batch gathers the params as its
+      forward pass needs them (never the whole model before the loop), and
+      its gradients are reduce-scattered into an accumulator split as the
+      params. With `Auto` axes the params' sharding is not in their type:
+      `axis_name` there means params replicated over it, and sharded ones
+      would be gathered whole before the loop, so leave it out.
 
     Without a sharded batch or `axis_name` the loop runs as it is (XLA
     chooses; with an `Auto` batch sharding it reduces the gradients once per
@@ -754,8 +796,10 @@ def microbatched(
                     f"here has axes {mesh.axis_names}."
                 )
             spec = axis_name
-        if spec is None:
-            return run(None, args, kwargs)
+        if spec is None or _shards_over_batch_axes(args, kwargs, argnums, spec):
+            # The partitioner runs the loop: params sharded (or, with `Auto`
+            # axes, maybe sharded) are gathered in each micro-batch.
+            return run(None, args, kwargs, regather=jax.device_count() > 1)
         return _in_shard_map(run, mesh, spec, argnums, args, kwargs)
 
     # Name and docstring only: `functools.wraps` would also set `__wrapped__`,
@@ -764,6 +808,17 @@ def microbatched(
         if hasattr(grad_fn, attr):
             setattr(wrapped, attr, getattr(grad_fn, attr))
     return wrapped
+
+
+def _shards_over_batch_axes(args, kwargs, argnums, spec) -> bool:
+    """Whether an argument other than the batch is split over the batch's
+    mesh axes in its type (FSDP params): then the loop runs under the
+    partitioner, which gathers the params as each micro-batch's forward
+    pass needs them and reduce-scatters its gradients into the sharded
+    accumulator, as for the plain jitted gradient (a `shard_map` over the
+    batch's axes would gather the whole model first)."""
+    others = [a for i, a in enumerate(args) if i not in argnums]
+    return shards_over((others, kwargs), spec)
 
 
 def _in_shard_map(

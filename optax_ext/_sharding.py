@@ -103,12 +103,40 @@ def mirror_param_sharding(state: PyTree, params: PyTree) -> PyTree:
     return jax.tree.map(fix, state, is_leaf=mirrors)
 
 
-def zeros_like_struct(struct: Any) -> jax.Array:
-    """Zeros with the shape, dtype and, where it is part of the type
-    (`Explicit` mesh axes), the sharding of a `jax.ShapeDtypeStruct`."""
+def zeros_like_struct(struct: Any, dtype: Any = None) -> jax.Array:
+    """Zeros with the shape, dtype (or `dtype`) and, where it is part of the
+    type (`Explicit` mesh axes), the sharding of a `jax.ShapeDtypeStruct`."""
+    dtype = struct.dtype if dtype is None else dtype
     if sharded_type(struct):
-        return jnp.zeros(struct.shape, struct.dtype, out_sharding=struct.sharding)
-    return jnp.zeros(struct.shape, struct.dtype)
+        return jnp.zeros(struct.shape, dtype, out_sharding=struct.sharding)
+    return jnp.zeros(struct.shape, dtype)
+
+
+def shards_over(tree: PyTree, axes: Any) -> bool:
+    """Whether a leaf of `tree` is split, in its type, over one of the mesh
+    axes `axes` (a name or a tuple of names)."""
+    names = set(axes if isinstance(axes, tuple) else (axes,))
+    for x in jax.tree.leaves(tree):
+        sharding = typed_sharding(x)
+        for entry in () if sharding is None else sharding.spec:
+            entry = entry if isinstance(entry, tuple) else (entry,)
+            if names.intersection(entry):
+                return True
+    return False
+
+
+def split_leading(x: jax.Array, k: int) -> jax.Array:
+    """`x` with its leading axis of `n` rows reshaped to `(n // k, k)`: row
+    `a * k + j` at `[a, j]`. A leading axis split in `x`'s type stays split
+    in the first of the two (JAX asks for that sharding explicitly)."""
+    shape = (x.shape[0] // k, k, *x.shape[1:])
+    sharding = typed_sharding(x)
+    if sharding is None:
+        return x.reshape(shape)
+    spec = jax.sharding.PartitionSpec(sharding.spec[0], None, *sharding.spec[1:])
+    return jax.lax.reshape(
+        x, shape, out_sharding=jax.sharding.NamedSharding(sharding.mesh, spec)
+    )
 
 
 def sharded_type(struct: Any) -> bool:
@@ -155,9 +183,56 @@ def is_local(x: Any) -> bool:
     over every axis of its mesh."""
     if jax.device_count() == 1:
         return True
+    types = _axis_types(x)
+    return bool(types) and all(t == jax.sharding.AxisType.Manual for t in types)
+
+
+def _axis_types(x: Any) -> tuple:
+    """The axis types of the mesh in `x`'s type (empty where none)."""
     try:
         mesh = jax.typeof(x).sharding.mesh
     except AttributeError:
-        return False
-    types = getattr(mesh, "axis_types", ())
-    return bool(types) and all(t == jax.sharding.AxisType.Manual for t in types)
+        return ()
+    return tuple(getattr(mesh, "axis_types", ()))
+
+
+def element_readable(x: Any) -> bool:
+    """Whether one element of `x` can be read by every device that computes
+    with it: `x` lives whole there (`is_local`), or it is traced outside
+    `jax.shard_map` (no manual mesh axis), where XLA's partitioner sends the
+    element from the device holding it (a scalar all-reduce). Inside
+    `shard_map` over some axes only, no."""
+    if is_local(x):
+        return True
+    return not any(t == jax.sharding.AxisType.Manual for t in _axis_types(x))
+
+
+def surely_replicated(x: Any) -> bool:
+    """Whether `x` is known to be whole on every device that computes with
+    it: `is_local`, a single element, or typed replicated on a mesh of
+    `Explicit` axes. (With `Auto` axes only the partitioner knows.)"""
+    if is_local(x) or jnp.size(x) == 1:
+        return True
+    types = _axis_types(x)
+    return (
+        bool(types)
+        and all(t == jax.sharding.AxisType.Explicit for t in types)
+        and typed_sharding(x) is None
+    )
+
+
+def read_replicated(fn: Any, arrays: list[Any]) -> Any:
+    """`fn(arrays)`, for a `fn` that reads single elements of `arrays` and
+    returns a scalar, replicated. An element of an array sharded in its type
+    (`Explicit` mesh axes) cannot be sliced there (JAX types no such slice),
+    so `fn` then runs with those axes made `Auto`
+    (`jax.sharding.auto_axes`), where the partitioner sends the element."""
+    meshes = [
+        jax.typeof(x).sharding.mesh for x in arrays if typed_sharding(x) is not None
+    ]
+    if not meshes:
+        return fn(arrays)
+    with jax.sharding.use_abstract_mesh(meshes[0]):
+        return jax.sharding.auto_axes(fn, out_sharding=jax.sharding.PartitionSpec())(
+            arrays
+        )

@@ -60,3 +60,49 @@ def xla_cpu_only(what: str) -> pytest.MarkDecorator:
         backend != "cpu",
         reason=f"asserts XLA:CPU's {what}; this run's backend is {backend}",
     )
+
+
+_CALLEES = re.compile(
+    r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)"
+    r"|branch_computations=\{([^}]*)\}"
+)
+
+
+def reachable(comps, root, avoid=()):
+    """Names of the computations that `root` runs, itself included, not
+    entering those in `avoid`."""
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name in seen or name in avoid or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            for single, many in _CALLEES.findall(line):
+                todo.extend([single] if single else re.findall(r"%([\w.\-]+)", many))
+    return seen
+
+
+_COLLECTIVE = re.compile(
+    r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+    r"(?:-start)?\("
+)
+
+
+def collectives_by_step(hlo):
+    """(collectives a mini-step runs, collectives only an emitting step
+    runs): the emitting branch is the one that runs the inner optimizer,
+    the second of the outermost conditional's branches in the entry
+    computation."""
+    comps = hlo_computations(hlo)
+    (cond,) = [line for line in comps["ENTRY"] if " conditional(" in line]
+    branches = re.search(r"branch_computations=\{([^}]*)\}", cond).group(1)
+    _, emit = re.findall(r"%([\w.\-]+)", branches)
+    mini = reachable(comps, "ENTRY", avoid={emit})
+    emitting = reachable(comps, emit) - mini
+
+    def found(names):
+        lines = [line for name in sorted(names) for line in comps[name]]
+        return [m.groups() for m in map(_COLLECTIVE.search, lines) if m]
+
+    return found(mini), found(emitting)

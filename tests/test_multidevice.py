@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import hlo_computations, xla_cpu_only
+from _helpers import collectives_by_step, hlo_computations, xla_cpu_only
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -159,6 +159,20 @@ def _collectives(hlo):
     return counts
 
 
+def _token_reads(hlo):
+    """All-reduces of one element that only an emitting step runs: with
+    params sharded outside `shard_map`, each ordering token reads one
+    element of a sharded array from the device holding it (see
+    test_sharded.py). None without a conditional."""
+    if not any(" conditional(" in line for line in hlo_computations(hlo)["ENTRY"]):
+        return 0
+    _, emitting = collectives_by_step(hlo)
+    return sum(
+        op == "all-reduce" and re.search(r"\[[1,]*\]", shape) is not None
+        for shape, op in emitting
+    )
+
+
 INNERS = {
     "adam": lambda: optax.adam(1e-3),
     "adafactor": lambda: optax.adafactor(1e-3),
@@ -173,7 +187,9 @@ INNERS = {
 def test_donated_update_adds_no_resharding(inner, wrapper, mode):
     """A jitted, donated update with in and out shardings equal has no
     all-gather, all-to-all, collective-permute or all-reduce beyond the plain
-    inner optimizer's, and its state keeps the shardings."""
+    inner optimizer's, and its state keeps the shardings. Only an emitting
+    step adds all-reduces of one element: the ordering tokens' reads, at
+    most two (the inner state's token and the clear's) per sharded leaf."""
     mesh = _mesh(mode)
     params = _sharded_params(mesh)
     tx = {
@@ -204,8 +220,10 @@ def test_donated_update_adds_no_resharding(inner, wrapper, mode):
     ours, state = compiled_update(tx)
     plain, _ = compiled_update(INNERS[inner]())
     mine, theirs = _collectives(ours.as_text()), _collectives(plain.as_text())
+    tokens = _token_reads(ours.as_text())
+    assert tokens <= 2 * 3  # the sharded params
     # zero_nans reduces its per-leaf NaN flag over the shards: one scalar each.
-    flags = 3 if wrapper == "composed" else 0  # the sharded params
+    flags = tokens + (3 if wrapper == "composed" else 0)
     theirs["all-reduce of a flag"] = theirs.get("all-reduce of a flag", 0) + flags
     for op in mine:
         assert mine[op] <= theirs.get(op, 0), (op, mine, theirs)
@@ -222,8 +240,11 @@ def test_train_step_with_many_sharded_leaves_adds_no_collective(mode, form):
     """The realistic sibling of the test above: 200 sharded leaves in the
     donated train step (update + apply_updates, or the fused
     apply_gradients) of MultiSteps(adam) compile with no collective beyond
-    the bare adam train step's. (It found `cast_like` reshaping a weakly
-    typed state leaf sharded over an Explicit axis: a sharding error.)"""
+    the bare adam train step's, but all-reduces of one element that only
+    an emitting step runs (the ordering tokens' reads, one per mesh axes a
+    leaf is sharded over, per token). (It found `cast_like` reshaping a
+    weakly typed state leaf sharded over an Explicit axis: a sharding
+    error.)"""
     mesh = _mesh(mode)
     specs = [P("x", "y"), P("y", None), P(None, "x")]
     with jax.set_mesh(mesh):
@@ -257,6 +278,9 @@ def test_train_step_with_many_sharded_leaves_adds_no_collective(mode, form):
     )
     bare = compiled(optax.adam(1e-3), False)
     mine, theirs = _collectives(ours.as_text()), _collectives(bare.as_text())
+    tokens = _token_reads(ours.as_text())
+    assert tokens <= len(specs)
+    theirs["all-reduce of a flag"] = theirs.get("all-reduce of a flag", 0) + tokens
     for op in mine:
         assert mine[op] <= theirs.get(op, 0), (op, mine, theirs)
 

@@ -11,7 +11,13 @@ gloo as the CPU collectives. Each process feeds only its own rows, through
 - `microbatched(jax.grad(loss), K)` under `jax.jit` on the whole batch (its
   data axis read from the batch's `Explicit` sharding), then adam.
 
-Both must give the params of adam on the whole batch's gradient, computed here
+and the same two with the params split over all 4 devices (FSDP / ZeRO-3
+style, under plain `jax.jit`): `MultiSteps(adam, K)` one jitted, donated
+mini-step per micro-batch (drop-in `update` + `apply_updates`, and the fused
+`apply_gradients`), and `microbatched` (which then runs its loop under the
+partitioner).
+
+All must give the params of adam on the whole batch's gradient, computed here
 in one process on one device.
 """
 
@@ -142,8 +148,91 @@ def _child(process_id: int, port: int, out: str) -> None:
             params, adam_state = step(params, adam_state, local((x[t], y[t])))
         results["microbatched"] = to_host(params)
 
+    for mode in ("Auto", "Explicit"):
+        results.update(_fsdp_runs(mode, local, to_host, x, y, params0))
+
     np.savez(out, **{f"{k}.{n}": v for k, p in results.items() for n, v in p.items()})
     jax.distributed.shutdown()
+
+
+def gathered_loss(params, batch):
+    """`loss` with the params gathered where the forward pass uses them, as
+    a model written for FSDP under `Explicit` axes does (JAX will not guess
+    the sharding of `x @ w` with `w` split on the contracted axis)."""
+    from jax.sharding import PartitionSpec as P
+
+    params = jax.tree.map(lambda a: jax.sharding.reshard(a, P()), params)
+    return loss(params, batch)
+
+
+def _fsdp_runs(mode, local, to_host, x, y, params0) -> dict:
+    """The FSDP loops on a mesh of `mode` axes: MultiSteps (drop-in and
+    fused) one mini-step per micro-batch, and microbatched on the whole
+    batch, with every params leaf split on its first axis over all 4
+    devices under plain `jax.jit`."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import optax_ext
+
+    mesh = jax.make_mesh(
+        (jax.device_count(),), ("data",), axis_types=(getattr(AxisType, mode),)
+    )
+    split = NamedSharding(mesh, P("data"))
+    loss_fn = gathered_loss if mode == "Explicit" else loss
+
+    def fsdp(tree):
+        return {
+            k: jax.make_array_from_callback(v.shape, split, lambda i, v=v: v[i])
+            for k, v in tree.items()
+        }
+
+    def batch(b):
+        return tuple(jax.device_put(a, split) for a in local(b))
+
+    def to_host_whole(tree):
+        for v in tree.values():
+            assert v.sharding.is_equivalent_to(split, v.ndim), v.sharding
+        replicated = NamedSharding(mesh, P())
+        return to_host(jax.jit(lambda t: t, out_shardings=replicated)(tree))
+
+    results = {}
+    with jax.set_mesh(mesh):
+        for form in ("update", "apply_gradients"):
+            opt = optax_ext.MultiSteps(optax.adam(LR), K)
+
+            @functools.partial(jax.jit, donate_argnums=(0, 1))
+            def mini_step(params, state, batch, opt=opt, form=form):
+                grads = jax.grad(loss_fn)(params, batch)
+                if form == "apply_gradients":
+                    return optax_ext.apply_gradients(opt, grads, state, params)
+                updates, state = opt.update(grads, state, params)
+                return optax.apply_updates(params, updates), state
+
+            params = fsdp(params0)
+            state = jax.jit(opt.init)(params)
+            for t in range(WINDOWS):
+                for j in range(K):
+                    params, state = mini_step(
+                        params, state, batch((x[t, j::K], y[t, j::K]))
+                    )
+            results[f"fsdp_{mode}_multi_steps_{form}"] = to_host_whole(params)
+
+        adam = optax.adam(LR)
+        grad_fn = optax_ext.microbatched(jax.grad(loss_fn), K)
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(params, adam_state, batch):
+            grads = grad_fn(params, batch)
+            updates, adam_state = adam.update(grads, adam_state, params)
+            return optax.apply_updates(params, updates), adam_state
+
+        params = fsdp(params0)
+        adam_state = jax.jit(adam.init)(params)
+        for t in range(WINDOWS):
+            params, adam_state = step(params, adam_state, batch((x[t], y[t])))
+        results[f"fsdp_{mode}_microbatched"] = to_host_whole(params)
+    return results
 
 
 def _free_port() -> int:
@@ -184,7 +273,7 @@ def test_two_processes_train_as_one_process_on_the_whole_batch(tmp_path):
                     text=True,
                 )
             )
-        logs = [p.communicate(timeout=150)[0] for p in procs]
+        logs = [p.communicate(timeout=400)[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -195,7 +284,17 @@ def test_two_processes_train_as_one_process_on_the_whole_batch(tmp_path):
     reference = _reference()
     for i, out in enumerate(outs):
         got = np.load(out)
-        for form in ("multi_steps", "microbatched"):
+        forms = ["multi_steps", "microbatched"] + [
+            f"fsdp_{mode}_{form}"
+            for mode in ("Auto", "Explicit")
+            for form in (
+                "multi_steps_update",
+                "multi_steps_apply_gradients",
+                "microbatched",
+            )
+        ]
+        assert sorted(forms) == sorted({k.split(".")[0] for k in got.files})
+        for form in forms:
             for name, want in reference.items():
                 np.testing.assert_allclose(
                     got[f"{form}.{name}"],
@@ -207,6 +306,7 @@ def test_two_processes_train_as_one_process_on_the_whole_batch(tmp_path):
         # Adam moved the params well beyond the tolerance: a process that
         # trained on its own rows only would not pass.
         assert np.abs(got["microbatched.w"] - data()[2]["w"]).max() > 1e-2
+        assert np.abs(got["fsdp_Auto_microbatched.w"] - data()[2]["w"]).max() > 1e-2
 
 
 if __name__ == "__main__":
