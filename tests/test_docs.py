@@ -15,6 +15,7 @@ import inspect
 import pathlib
 import re
 import textwrap
+import typing
 
 import jax
 import pytest
@@ -296,6 +297,8 @@ def _annotation(annotation) -> str | None:
     annotations are strings: `from __future__ import annotations`)."""
     if annotation is inspect.Parameter.empty:
         return None
+    if isinstance(annotation, typing.ForwardRef):  # a NamedTuple's field
+        annotation = annotation.__forward_arg__
     text = (
         annotation
         if isinstance(annotation, str)
