@@ -11,12 +11,23 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PyTree
 
-from ._conditional import check_transformation
 from ._static import Configured, Method
+from ._tree import is_none, is_transformation
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
+def check_transformation(value: Any, name: str) -> None:
+    """Raises a `TypeError` unless `value` has callable `init` and `update`."""
+    if not is_transformation(value):
+        hint = (
+            " A factory such as `optax.adam` must be called to build one: "
+            "`optax.adam(1e-3)`."
+            if callable(value)
+            else ""
+        )
+        raise TypeError(
+            f"{name} must be an optax.GradientTransformation (with `init` and "
+            f"`update`), got {value!r} of type {type(value).__name__}.{hint}"
+        )
 
 
 def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
@@ -31,13 +42,13 @@ def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
             return p
         return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
-    return jax.tree.map(apply, updates, params, is_leaf=_is_none)
+    return jax.tree.map(apply, updates, params, is_leaf=is_none)
 
 
 def merge_trainable(params: PyTree, new: PyTree) -> PyTree:
     """`params` with each leaf that `new` holds (not `None`) replaced by it."""
     return jax.tree.map(
-        lambda n, p: p if n is None else n, new, params, is_leaf=_is_none
+        lambda n, p: p if n is None else n, new, params, is_leaf=is_none
     )
 
 

@@ -22,25 +22,7 @@ from ._sharding import (
     varying_axes,
     zeros_like_struct,
 )
-from ._tree import cast_like, check_same_shapes
-
-
-def check_transformation(value: Any, name: str) -> None:
-    """Raises a `TypeError` unless `value` has callable `init` and `update`."""
-    if not (
-        callable(getattr(value, "init", None))
-        and callable(getattr(value, "update", None))
-    ):
-        hint = (
-            " A factory such as `optax.adam` must be called to build one: "
-            "`optax.adam(1e-3)`."
-            if callable(value)
-            else ""
-        )
-        raise TypeError(
-            f"{name} must be an optax.GradientTransformation (with `init` and "
-            f"`update`), got {value!r} of type {type(value).__name__}.{hint}"
-        )
+from ._tree import cast_like, check_same_shapes, is_typed_key
 
 
 def update_if(
@@ -641,9 +623,7 @@ def _after(
 def _orderable(leaf: Any) -> bool:
     """Whether `_after` orders a state leaf of this aval that the updates
     read: not a scalar, not a key."""
-    return math.prod(leaf.shape) > 1 and not jax.dtypes.issubdtype(
-        leaf.dtype, jax.dtypes.prng_key
-    )
+    return math.prod(leaf.shape) > 1 and not is_typed_key(leaf)
 
 
 def conform_state(new: PyTree, old: PyTree) -> PyTree:
@@ -671,7 +651,7 @@ def conform_state(new: PyTree, old: PyTree) -> PyTree:
         old_leaves,
         strict=True,
     ):
-        if jax.dtypes.issubdtype(o.dtype, jax.dtypes.prng_key):
+        if is_typed_key(o):
             if n.dtype != o.dtype:
                 raise ValueError(
                     f"The inner optimizer changed the key type of its state leaf "

@@ -37,6 +37,7 @@ from ._tree import (
     check_updates_fit_params,
     describe_value,
     fill_scalar_gaps,
+    is_transformation,
     is_weak,
     optimisable,
     restore_untrained,
@@ -100,10 +101,7 @@ class Injection(Configured):
         call.arguments.update(hyperparams)
         call.arguments.update(self.passed)
         tx = self.factory(*call.args, **call.kwargs)
-        if not (
-            callable(getattr(tx, "init", None))
-            and callable(getattr(tx, "update", None))
-        ):
+        if not is_transformation(tx):
             raise ArgumentError(
                 f"inner_factory {self._name} returned {describe_value(tx)}; "
                 "inject_hyperparams expects it to return an "

@@ -46,7 +46,13 @@ from ._sharding import (
     varying_axes,
     zeros_like_struct,
 )
-from ._tree import as_index, check_accumulator_dtype, describe_value, widen
+from ._tree import (
+    as_index,
+    check_accumulator_dtype,
+    describe_value,
+    is_typed_key,
+    widen,
+)
 
 
 def _check_num_microbatches(num_microbatches: Any) -> int:
@@ -89,13 +95,11 @@ def _check_argnums(
     return argnums, key
 
 
-def _is_key(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return False
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+def _is_one_key(x: Any) -> bool:
+    """One PRNG key: a typed one of shape (), or a raw `PRNGKey` (uint32 (2,))."""
+    if is_typed_key(x):
         return jnp.ndim(x) == 0
-    return dtype == jnp.uint32 and jnp.shape(x) == (2,)  # a raw PRNGKey
+    return getattr(x, "dtype", None) == jnp.uint32 and jnp.shape(x) == (2,)
 
 
 def _batch_size(args: tuple, argnums: tuple[int, ...], k: int) -> int:
@@ -771,7 +775,7 @@ def microbatched(
                 "pass them positionally."
             )
         _batch_size(args, argnums, k)
-        if key_argnum is not None and not _is_key(args[key_argnum]):
+        if key_argnum is not None and not _is_one_key(args[key_argnum]):
             key = args[key_argnum]
             raise TypeError(
                 f"argument {key_argnum} (key_argnum) must be a PRNG key "

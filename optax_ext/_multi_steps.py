@@ -23,8 +23,13 @@ import optax
 from jax import lax
 from jaxtyping import Array, Bool, PyTree
 
-from ._apply import apply_gradients, merge_trainable, with_extra_args
-from ._conditional import check_transformation, update_if
+from ._apply import (
+    apply_gradients,
+    check_transformation,
+    merge_trainable,
+    with_extra_args,
+)
+from ._conditional import update_if
 from ._devices import AxisView, view
 from ._sharding import mirror_param_sharding
 from ._static import Configured, config_key

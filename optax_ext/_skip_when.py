@@ -8,8 +8,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._apply import apply_gradients, merge_trainable, with_extra_args
-from ._conditional import check_transformation, update_if
+from ._apply import (
+    apply_gradients,
+    check_transformation,
+    merge_trainable,
+    with_extra_args,
+)
+from ._conditional import update_if
 from ._static import Configured, config_key
 from ._tree import (
     check_state_structure,

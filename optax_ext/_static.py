@@ -20,6 +20,8 @@ import jax
 import numpy as np
 import optax
 
+from ._tree import is_typed_key
+
 
 class _ByIdentity(Exception):
     """A configuration value that is not compared by value."""
@@ -35,7 +37,7 @@ def _array_key(x: np.ndarray | np.generic | jax.Array) -> tuple:
     if np.ndim(x) != 0 or (isinstance(x, np.ndarray) and x.flags.writeable):
         raise _ByIdentity
     try:
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if is_typed_key(x):
             data = np.asarray(jax.random.key_data(x))
             return (kind, "key", str(jax.random.key_impl(x)), data.tobytes())
         bits = np.asarray(x)

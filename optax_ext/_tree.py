@@ -25,8 +25,20 @@ def trainable(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: x if eqx.is_inexact_array(x) else None, tree)
 
 
-def _is_none(x: Any) -> bool:
+def is_none(x: Any) -> bool:
+    """`is_leaf` for maps that keep `None` leaves (`eqx.filter_grad`'s)."""
     return x is None
+
+
+def is_typed_key(x: Any) -> bool:
+    """A typed PRNG key array (`jax.random.key(...)`), of any shape."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def is_transformation(x: Any) -> bool:
+    """Whether `x` follows the optax protocol: callable `init` and `update`."""
+    return callable(getattr(x, "init", None)) and callable(getattr(x, "update", None))
 
 
 class _NoUpdate:
@@ -67,9 +79,9 @@ def check_same_structure(
     (or the reverse) is reported too.
     """
     exp_leaves, exp_def = jax.tree_util.tree_flatten_with_path(
-        expected, is_leaf=_is_none
+        expected, is_leaf=is_none
     )
-    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got, is_leaf=_is_none)
+    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got, is_leaf=is_none)
     if exp_def == got_def and all(
         (a is None) == (b is None)
         for (_, a), (_, b) in zip(exp_leaves, got_leaves, strict=True)
@@ -261,11 +273,11 @@ def check_updates_fit_params(updates: PyTree, kept: PyTree, who: str) -> None:
     def flat(tree: PyTree) -> PyTree:
         # `None` (no gradient) fits any param leaf: compare containers only.
         return jax.tree.map(
-            lambda x: _NO_UPDATE if x is None else x, tree, is_leaf=_is_none
+            lambda x: _NO_UPDATE if x is None else x, tree, is_leaf=is_none
         )
 
-    updates_def = jax.tree.structure(updates, is_leaf=_is_none)
-    params_def = jax.tree.structure(kept, is_leaf=_is_none)
+    updates_def = jax.tree.structure(updates, is_leaf=is_none)
+    params_def = jax.tree.structure(kept, is_leaf=is_none)
     if updates_def == params_def:
         return
     try:
@@ -416,7 +428,7 @@ def fill_scalar_gaps(updates: PyTree, params: PyTree) -> PyTree:
         return _strong(u) if _weakly_typed(u) else u
 
     try:
-        return jax.tree.map(fill, updates, params, is_leaf=_is_none)
+        return jax.tree.map(fill, updates, params, is_leaf=is_none)
     except (ValueError, TypeError):
         return updates
 
@@ -442,18 +454,18 @@ def restore_untrained(original: PyTree, new: PyTree, params: PyTree) -> PyTree:
         return n
 
     try:
-        return jax.tree.map(back, original, new, params, is_leaf=_is_none)
+        return jax.tree.map(back, original, new, params, is_leaf=is_none)
     except (ValueError, TypeError):
         return restore_none(original, new)
 
 
 def restore_none(original: PyTree, new: PyTree) -> PyTree:
     """`new` with `None` wherever `original` (the incoming updates) had it."""
-    if not any(x is None for x in jax.tree.leaves(original, is_leaf=_is_none)):
+    if not any(x is None for x in jax.tree.leaves(original, is_leaf=is_none)):
         return new
     try:
         return jax.tree.map(
-            lambda o, n: None if o is None else n, original, new, is_leaf=_is_none
+            lambda o, n: None if o is None else n, original, new, is_leaf=is_none
         )
     except (ValueError, TypeError):
         return new
@@ -484,7 +496,7 @@ def _is_integer_leaf(x: Any) -> bool:
     return (
         dtype is not None
         and eqx.is_array(x)
-        and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+        and not is_typed_key(x)
         and jnp.issubdtype(dtype, jnp.integer)
     )
 
@@ -526,7 +538,7 @@ def fill_untrained_gaps(updates: PyTree, params: PyTree) -> PyTree:
         return u
 
     try:
-        return jax.tree.map(fill, updates, params, is_leaf=_is_none)
+        return jax.tree.map(fill, updates, params, is_leaf=is_none)
     except (ValueError, TypeError):
         return updates
 

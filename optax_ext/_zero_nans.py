@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ._tree import is_typed_key
+
 
 def _found_nan(update: jax.Array) -> jax.Array:
     update = jnp.asarray(update)
@@ -26,11 +28,6 @@ def _zero_nan(update: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(update), 0, update)
 
 
-def _is_key(x) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def _tracked(x) -> bool:
     """A params leaf that gets a `found_nan` entry: any numeric array or Python
     number, as optax gives one (integer leaves included: they record False).
@@ -38,7 +35,7 @@ def _tracked(x) -> bool:
     gives `None` for them."""
     if isinstance(x, (bool, int, float, complex)):
         return True
-    return eqx.is_array(x) and not _is_key(x)
+    return eqx.is_array(x) and not is_typed_key(x)
 
 
 def _init(params):
