@@ -154,7 +154,9 @@ class AxisView(OneView):
     def window_mean(self, acc: PyTree) -> PyTree:
         """This device's mean (or sum) averaged over the devices, in the
         accumulator's dtype: the only collective of a window."""
-        return lax.pmean(jax.tree.map(lambda a: a[0], acc), self.axis_name)
+        wide = jax.tree.map(lambda a: a[0].astype(reduce_dtype(a.dtype)), acc)
+        mean = lax.pmean(wide, self.axis_name)
+        return jax.tree.map(lambda m, a: m.astype(a.dtype), mean, acc)
 
     def window_weighted_mean(
         self, acc: PyTree, weight: jax.Array
@@ -167,14 +169,25 @@ class AxisView(OneView):
         holds."""
 
         def part(a: jax.Array) -> jax.Array:
-            a = a[0]
-            scaled = a * weight.astype(a.dtype)
+            wide = a[0].astype(jnp.promote_types(reduce_dtype(a.dtype), weight.dtype))
+            scaled = wide * weight.astype(wide.dtype)
             return jnp.where(weight > 0, scaled, jnp.zeros_like(scaled))
 
         summed, total = lax.psum((jax.tree.map(part, acc), weight), self.axis_name)
         keep = total > 0
         safe = jnp.where(keep, total, jnp.ones_like(total))
-        return jax.tree.map(lambda s: s / safe.astype(s.dtype), summed), keep
+        mean = jax.tree.map(lambda s: s / safe.astype(s.dtype), summed)
+        return jax.tree.map(lambda m, a: m.astype(a.dtype), mean, acc), keep
+
+
+def reduce_dtype(dtype: Any) -> Any:
+    """The dtype the window's all-reduce sums in: float32 for narrower
+    floating accumulators (float16, bfloat16), whose sum over devices (and
+    weights: token counts) would overflow or round; the accumulator's own
+    otherwise."""
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(dtype)
 
 
 def view(axis_name: Hashable | None) -> OneView:

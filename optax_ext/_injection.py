@@ -30,7 +30,7 @@ from ._inject_arguments import (
     takes_a_float,
 )
 from ._sharding import mirror_param_sharding
-from ._static import ConfigKey, Configured, config_key
+from ._static import ConfigKey, Configured, config_key, snapshot
 from ._tree import (
     as_weak,
     avals_key,
@@ -69,6 +69,9 @@ class Injection(Configured):
         dtype: Any,
     ):
         self.factory, self.signature, self.dtype = factory, signature, dtype
+        # Read once, here: a dict or list given as a mask and changed later
+        # changes neither this optimizer nor what it compares equal to.
+        arguments = {n: snapshot(v) for n, v in arguments.items()}
         self.arguments = dict(arguments)
         kinds = {
             n: classify(n, v, signature.parameters[n], static)

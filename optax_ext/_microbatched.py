@@ -38,8 +38,10 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from ._devices import reduce_dtype
 from ._sharding import (
     cast_varying,
+    sharded_type,
     shards_over,
     split_leading,
     typed_sharding,
@@ -327,6 +329,19 @@ def _unsplit(acc: jax.Array) -> jax.Array:
     return acc.reshape(acc.shape[0] * acc.shape[1], *acc.shape[2:])
 
 
+def _rows_accumulator(struct: Any, k: int, dtype: Any) -> jax.Array:
+    """Zeros for a per-example output's `k` micro-batches, `(rows, k, ...)`:
+    where the output's type is sharded (`Explicit` axes), its rows keep
+    their split and the new micro-batch axis is whole."""
+    shape = (struct.shape[0], k, *struct.shape[1:])
+    if not sharded_type(struct):
+        return jnp.zeros(shape, dtype)
+    spec = tuple(struct.sharding.spec)
+    spec += (None,) * (len(struct.shape) - len(spec))
+    sharding = struct.sharding.update(spec=P(spec[0], None, *spec[1:]))
+    return jnp.zeros(shape, dtype, out_sharding=sharding)
+
+
 def _finish_weighted(
     kinds: list,
     acc: list,
@@ -342,7 +357,10 @@ def _finish_weighted(
         parts = []
         for kind, a in zip(kinds, acc, strict=True):
             if kind == "mean":
-                parts.append(a * total.astype(a.dtype))
+                # At least the weight's float32: a narrower accumulator's
+                # mean times a token count would overflow.
+                wide = a.astype(jnp.promote_types(a.dtype, total.dtype))
+                parts.append(wide * total.astype(wide.dtype))
             elif kind == "any":
                 parts.append(a.astype(jnp.int32))
             elif kind == "sum":
@@ -534,7 +552,7 @@ def _accumulate(
     init = []
     for (_, s), dtype, kind in zip(flat_shapes, acc_dtypes, kinds, strict=True):
         if kind == "concat":
-            zero = jnp.zeros((s.shape[0], k, *s.shape[1:]), dtype)
+            zero = _rows_accumulator(s, k, dtype)
         else:
             # With the output's sharding where its type has one (params
             # sharded over `Explicit` axes): a sharded accumulator.
@@ -565,9 +583,10 @@ def _accumulate(
             continue
         if axis_name is not None:
             # The one reduction across devices: each device's mean (or sum)
-            # over its micro-batches, in the accumulator's dtype.
+            # over its micro-batches, in the accumulator's dtype (float32
+            # for a narrower one, whose sum over devices would overflow).
             if kind == "mean":
-                a = lax.pmean(a, axis_name)
+                a = lax.pmean(a.astype(reduce_dtype(a.dtype)), axis_name)
             elif kind == "sum":
                 a = lax.psum(a, axis_name)
             else:

@@ -573,7 +573,10 @@ def _window_weights(
     (it is then not used), so no step makes a NaN or `inf`."""
     stored = acc_weight if jnp.ndim(acc_weight) == 0 else acc_weight[0]
     dtype = stored.dtype
-    w = lax.convert_element_type(jnp.asarray(weight), dtype)
+    if not isinstance(weight, jax.Array):  # a Python or NumPy number: in
+        # float directly (JAX would make an int64 an int32 first, wrapping it)
+        weight = np.asarray(weight).astype(dtype)
+    w = lax.convert_element_type(weight, dtype)
     before = jnp.where(mini_step == 0, jnp.zeros((), dtype), stored)
     total = before + w
     nothing = w == 0
@@ -817,10 +820,23 @@ class MultiSteps(Configured):
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
         k = _check_k(self._every_k_schedule(gradient_step), gradient_step)
-        should_skip, skip_state = _should_skip(
-            self._should_skip_update_fn, updates, gradient_step, params
-        )
         skipping = self._should_skip_update_fn is not None
+        seen = updates
+        if skipping and self._weighted:
+            # A weight-0 mini-step's gradient is not read (an all-padding
+            # micro-batch's NaN): the skip test sees zeros there, so such a
+            # step counts as accepted and adds nothing.
+            zero_weight = (
+                weight == 0
+                if isinstance(weight, jax.Array)
+                else np.asarray(weight) == 0
+            )
+            seen = jax.tree.map(
+                lambda g: jnp.where(zero_weight, jnp.zeros_like(g), g), updates
+            )
+        should_skip, skip_state = _should_skip(
+            self._should_skip_update_fn, seen, gradient_step, params
+        )
         if skipping:
             should_skip = devices.agree(should_skip)
 

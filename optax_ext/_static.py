@@ -82,6 +82,17 @@ def _by_value(value: Any) -> tuple | None:
     return key
 
 
+def snapshot(value: Any) -> Any:
+    """`value` with its containers (dicts, lists, tuples, Equinox modules)
+    rebuilt around the same leaves: what an optimizer keeps of an argument,
+    so that changing the caller's dict later changes neither what it does
+    nor what it compares equal to."""
+    try:
+        return jax.tree.map(lambda leaf: leaf, value)
+    except Exception:  # noqa: BLE001 - a node that cannot be rebuilt
+        return value
+
+
 class ConfigKey:
     """Wraps one configuration value: equal by value where `_by_value` gives
     it a stand-in, by identity otherwise. Equal keys hash equal."""

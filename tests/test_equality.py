@@ -377,3 +377,37 @@ def test_integer_learning_rate_takes_a_float_hypergradient(factory):
     got = value_and_grad(optax_ext.inject_hyperparams)
     expected = value_and_grad(optax.inject_hyperparams)
     np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_a_mask_dict_changed_after_building_changes_nothing():
+    """A dict given as a mask was compared by a snapshot of its contents but
+    used live: changed after building, the optimizer still compared equal
+    to one built from the old contents and `jax.jit` kept the old compile,
+    while an eager call used the new mask. The arguments are now read once,
+    when the optimizer is built. Reference: optax.adamw with the mask as it
+    was at building time, jitted."""
+    params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    mask = {"a": True, "b": True}
+    build = optax_ext.inject_hyperparams(optax.adamw)
+    opt = build(learning_rate=0.1, weight_decay=0.5, mask=mask)
+    mask["b"] = False
+    assert opt == build(
+        learning_rate=0.1, weight_decay=0.5, mask={"a": True, "b": True}
+    )
+
+    def f32(x):  # the injected numbers as stored (float32)
+        return float(np.float32(x))
+
+    bare = optax.adamw(
+        f32(0.1),
+        b1=f32(0.9),
+        b2=f32(0.999),
+        eps=f32(1e-8),
+        weight_decay=0.5,
+        mask={"a": True, "b": True},
+    )
+    want = jax.jit(bare.update)(params, bare.init(params), params)[0]
+    eager = opt.update(params, opt.init(params), params)[0]
+    jitted = jax.jit(opt.update)(params, jax.jit(opt.init)(params), params)[0]
+    for got in (eager, jitted):
+        np.testing.assert_allclose(got["b"], want["b"], rtol=1e-6)

@@ -359,3 +359,37 @@ def test_equinox_model_and_filter_grad():
             lambda x: np.asarray(x, np.float32), eqx.filter(want, eqx.is_array)
         )
     _assert_close(eqx.filter(got, eqx.is_array), want)
+
+
+@pytest.mark.multidevice
+def test_half_precision_outputs_reduce_weights_without_overflow():
+    """float16 outputs accumulated in float16 (`accumulator_dtype=None`):
+    each device's mean times its token count overflowed float16 in the
+    all-reduce after the loop, and the loss came back NaN. Reference: the
+    float64 token-weighted mean of the per-row values, rounded once."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    values = np.linspace(0.5, 1.5, 16)
+    counts = np.full(16, 10000.0)
+
+    def loss(scale, batch):
+        return jnp.sum(scale * batch["v"] * batch["n"]) / jnp.sum(batch["n"])
+
+    fn = optax_ext.microbatched(
+        loss,
+        2,
+        axis_name="data",
+        accumulator_dtype=None,
+        weight_fn=lambda scale, batch: jnp.sum(batch["n"]),
+    )
+    batch = {"v": values.astype(np.float16), "n": counts.astype(np.float16)}
+    with jax.set_mesh(mesh):
+        got = jax.jit(fn)(
+            jnp.float16(1.0),
+            jax.device_put(
+                {k: jnp.asarray(v) for k, v in batch.items()},
+                NamedSharding(mesh, P("data")),
+            ),
+        )
+    want = np.float16(np.mean(values.astype(np.float16).astype(np.float64)))
+    assert got.dtype == jnp.float16
+    np.testing.assert_allclose(np.float64(got), np.float64(want), rtol=2**-10)

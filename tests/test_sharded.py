@@ -367,3 +367,34 @@ def test_microbatched_fsdp_equals_the_full_batch(mode):
         )
         if mode == "Explicit":
             assert g.sharding.is_equivalent_to(p.sharding, g.ndim)
+
+
+@pytest.mark.parametrize("mode", ["Auto", "Explicit"])
+def test_microbatched_fsdp_per_example_outputs_come_back_whole(mode):
+    """Per-example outputs with params split over the batch's axis: the
+    rows' accumulator was built unsharded, and on `Explicit` axes the loop
+    refused the sharded rows (`ShardingTypeError`). Reference: the plain
+    jitted `value_and_grad` on the whole batch."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(getattr(AxisType, mode),))
+
+    def loss(w, x):
+        per_row = jnp.sum((x @ w) ** 2, axis=1)
+        return per_row.mean(), per_row
+
+    full = jax.value_and_grad(loss, has_aux=True)
+    split = optax_ext.microbatched(full, 2, per_example=((False, True), False))
+    with jax.set_mesh(mesh):
+        w = jax.device_put(
+            jnp.linspace(-1, 1, 64).reshape(8, 8), NamedSharding(mesh, P("data"))
+        )
+        x = jax.device_put(
+            jnp.arange(128.0).reshape(16, 8) / 100, NamedSharding(mesh, P("data"))
+        )
+        (loss_got, rows_got), grad_got = jax.jit(split)(w, x)
+        (loss_want, rows_want), grad_want = jax.jit(full)(w, x)
+    assert rows_got.shape == (16,)
+    np.testing.assert_allclose(rows_got, rows_want, rtol=1e-6)
+    np.testing.assert_allclose(loss_got, loss_want, rtol=1e-6)
+    np.testing.assert_allclose(
+        grad_got, grad_want, rtol=1e-5, atol=1e-6 * float(jnp.abs(grad_want).max())
+    )

@@ -466,3 +466,40 @@ def test_inside_chain_through_gradient_transformation():
         lambda: optax.chain(optax.sgd(1.0), optax.scale(2.0)), params, [batches]
     )
     _assert_close(updates, want)
+
+
+def test_numpy_int64_and_huge_python_weights_are_not_wrapped():
+    """`mask.sum()` in NumPy is an int64: JAX made it an int32 first, so a
+    weight of 2**33 wrapped to 0 and its gradient was dropped silently (a
+    Python 2**40 raised an OverflowError). Reference: the weighted mean by
+    hand, 2**33 * 1 + 1 * 0 over 2**33 + 1, which is 1 in float32."""
+    params = {"w": jnp.zeros(2)}
+    for big in (np.int64(2**33), 2**40):
+        opt = optax_ext.MultiSteps(optax.sgd(1.0), 2, weighted=True)
+        state = opt.init(params)
+        _, state = opt.update({"w": jnp.ones(2)}, state, params, weight=big)
+        updates, _ = opt.update({"w": jnp.zeros(2)}, state, params, weight=1)
+        np.testing.assert_array_equal(updates["w"], -np.ones(2, np.float32))
+
+
+def test_zero_weight_step_is_not_seen_by_the_skip_function():
+    """A weight-0 mini-step's gradient is not read: with
+    `should_skip_update_fn=optax.skip_not_finite` its NaN (an all-padding
+    micro-batch) made the step skipped, so it did not count and the window
+    took in the next micro-batch. Reference: the same run without a skip
+    function, windows of 2 by hand: (1*3 + nan*0) / 3 = 1, then
+    (2*5 + 4*1) / 6."""
+    params = {"w": jnp.zeros(1)}
+    steps = ((1.0, 3), (float("nan"), 0), (2.0, 5), (4.0, 1))
+    opt = optax_ext.MultiSteps(
+        optax.sgd(1.0), 2, weighted=True, should_skip_update_fn=optax.skip_not_finite
+    )
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    got = []
+    for g, w in steps:
+        updates, state = update({"w": jnp.full(1, g)}, state, params, weight=w)
+        got.append(float(updates["w"][0]))
+    assert got == [0.0, -1.0, 0.0, float(np.float32(-(2 * 5 + 4 * 1) / 6))]
+    assert int(state.gradient_step) == 2
+    assert int(state.skip_state["num_not_finite"]) == 0

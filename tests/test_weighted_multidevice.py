@@ -251,3 +251,40 @@ def test_params_sharded_under_jit_equal_the_big_batch(form):
             assert leaf.sharding.is_equivalent_to(shard[name], leaf.ndim), name
     want = _reference(INNERS["adam"], params, [[b] for b in batches])
     _assert_close(jax.device_get(p), want)
+
+
+@pytest.mark.parametrize("form", ["update", "apply_gradients"])
+def test_half_precision_accumulators_reduce_weights_without_overflow(form):
+    """float16 accumulators (`accumulator_dtype=None`, float16 params): each
+    device's mean times its token count overflowed float16 (65504) in the
+    window's all-reduce, emitting zeros or NaN silently; one device got it
+    right. Reference: the float64 token-weighted mean of the per-device
+    gradients, times the learning rate, rounded once to float16."""
+    mesh = _mesh()
+    opt = optax_ext.MultiSteps(
+        optax.sgd(1.0), 1, weighted=True, axis_name="data", accumulator_dtype=None
+    )
+    step = _sharded_step(opt, form == "apply_gradients")
+    per_device = np.array([10.0, 10.0, 1e-3, 3.0, 10.0, 0.5, 2.0, 10.0])
+    weights = np.array([8192, 10000, 9000, 0, 12000, 7000, 8192, 10000], np.int32)
+    params = {"w": jnp.zeros((2,), jnp.float16)}
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        state = jax.jit(
+            jax.shard_map(
+                opt.init, mesh=mesh, in_specs=P(), out_specs=opt.state_specs()
+            )
+        )(params)
+        grads = {"w": np.repeat(per_device[:, None], 2, axis=1).astype(np.float16)}
+        split = NamedSharding(mesh, P("data"))
+        new, _ = step(
+            params,
+            state,
+            jax.device_put(grads, split),
+            jax.device_put(weights, split),
+        )
+    g16 = per_device.astype(np.float16).astype(np.float64)
+    want = -np.sum(g16 * weights) / np.sum(weights)
+    got = np.asarray(jax.device_get(new)["w"])
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, np.full(2, np.float16(want)))
