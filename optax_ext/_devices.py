@@ -13,6 +13,7 @@ from jax import lax
 from jaxtyping import PyTree
 
 from ._sharding import varying_axes, varying_call
+from ._tree import work_dtype
 
 
 def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple[str, Any, Any]]:
@@ -154,7 +155,7 @@ class AxisView(OneView):
     def window_mean(self, acc: PyTree) -> PyTree:
         """This device's mean (or sum) averaged over the devices, in the
         accumulator's dtype: the only collective of a window."""
-        wide = jax.tree.map(lambda a: a[0].astype(reduce_dtype(a.dtype)), acc)
+        wide = jax.tree.map(lambda a: a[0].astype(work_dtype(a.dtype)), acc)
         mean = lax.pmean(wide, self.axis_name)
         return jax.tree.map(lambda m, a: m.astype(a.dtype), mean, acc)
 
@@ -169,7 +170,7 @@ class AxisView(OneView):
         holds."""
 
         def part(a: jax.Array) -> jax.Array:
-            wide = a[0].astype(jnp.promote_types(reduce_dtype(a.dtype), weight.dtype))
+            wide = a[0].astype(jnp.promote_types(work_dtype(a.dtype), weight.dtype))
             scaled = wide * weight.astype(wide.dtype)
             return jnp.where(weight > 0, scaled, jnp.zeros_like(scaled))
 
@@ -178,16 +179,6 @@ class AxisView(OneView):
         safe = jnp.where(keep, total, jnp.ones_like(total))
         mean = jax.tree.map(lambda s: s / safe.astype(s.dtype), summed)
         return jax.tree.map(lambda m, a: m.astype(a.dtype), mean, acc), keep
-
-
-def reduce_dtype(dtype: Any) -> Any:
-    """The dtype the window's all-reduce sums in: float32 for narrower
-    floating accumulators (float16, bfloat16), whose sum over devices (and
-    weights: token counts) would overflow or round; the accumulator's own
-    otherwise."""
-    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
-        return jnp.dtype(jnp.float32)
-    return jnp.dtype(dtype)
 
 
 def view(axis_name: Hashable | None) -> OneView:

@@ -38,7 +38,6 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._devices import reduce_dtype
 from ._sharding import (
     cast_varying,
     sharded_type,
@@ -54,6 +53,7 @@ from ._tree import (
     describe_value,
     is_typed_key,
     widen,
+    work_dtype,
 )
 
 
@@ -512,7 +512,7 @@ def _accumulate(
         if kind == "any":
             return jnp.logical_or(acc, out)
         if fold is not None:
-            # MultiSteps' weighted running mean (`_fold_weighted`): a
+            # MultiSteps' weighted running mean (`_weighted.fold_weighted`): a
             # weight-0 micro-batch's outputs, NaN ones included, leave none.
             first, nothing, scale = fold
             running = acc + (out - acc) / scale.astype(acc.dtype)
@@ -586,7 +586,7 @@ def _accumulate(
             # over its micro-batches, in the accumulator's dtype (float32
             # for a narrower one, whose sum over devices would overflow).
             if kind == "mean":
-                a = lax.pmean(a.astype(reduce_dtype(a.dtype)), axis_name)
+                a = lax.pmean(a.astype(work_dtype(a.dtype)), axis_name)
             elif kind == "sum":
                 a = lax.psum(a, axis_name)
             else:

@@ -14,7 +14,7 @@ is in `docs/design.md`.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,90 +31,40 @@ from ._apply import (
 )
 from ._conditional import update_if
 from ._devices import AxisView, view
+from ._multi_steps_checks import (
+    acc_dtype,
+    check_gradients,
+    check_k,
+    check_skip_fn,
+    check_state,
+    skip_decision,
+    validate_every_k,
+)
 from ._sharding import mirror_param_sharding
 from ._static import Configured, config_key
 from ._tree import (
     accumulable,
-    as_index,
     check_accumulator_dtype,
-    check_same_shapes,
-    check_same_structure,
     check_state_structure,
-    describe_value,
     fill_untrained_gaps,
     restore_none,
     saturating_increment,
     strong_as_recorded,
     traced_state_record,
     widen,
+    work_dtype,
 )
-
-_INT32_MAX = int(jnp.iinfo(jnp.int32).max)
-
-
-def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
-    if callable(every_k_schedule):
-        return every_k_schedule
-    # A bool is the int it is, as in optax (which tests `isinstance(k, int)`).
-    k = (
-        int(every_k_schedule)
-        if isinstance(every_k_schedule, bool)
-        else as_index(every_k_schedule)
-    )
-    if k is not None:
-        if not 1 <= k <= _INT32_MAX:
-            raise ValueError(
-                "every_k_schedule must be an int from 1 to 2**31 - 1, got "
-                f"{every_k_schedule!r}: it is the number of mini-steps "
-                "accumulated per update, counted in the state's int32 mini_step."
-            )
-        return lambda _: k
-    raise TypeError(
-        "every_k_schedule must be a positive int or a function of the gradient "
-        f"step returning one, got {every_k_schedule!r} of type "
-        f"{type(every_k_schedule).__name__}."
-    )
-
-
-def _check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
-    """The window length from `every_k_schedule`: a scalar int, a float
-    holding a whole number, or a bool (`True` is 1), as optax accepts. A
-    value known while tracing (a Python or NumPy number, or a JAX array made
-    outside the trace) must be a whole number from 1 to 2**31 - 1, under
-    `jit` too; a traced one (under `jit` that includes a `jnp` constant made
-    inside the schedule) is handled by `_window_complete`."""
-    try:
-        known = np.asarray(k)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        known = None
-    kind = known if known is not None else jnp.asarray(k)
-    numeric = (
-        jnp.issubdtype(kind.dtype, jnp.integer)
-        or jnp.issubdtype(kind.dtype, jnp.floating)
-        or kind.dtype == jnp.bool_
-    )
-    if kind.shape != () or not numeric:
-        raise TypeError(
-            "every_k_schedule must return a scalar int (the number of mini-steps "
-            f"in this window), got {describe_value(k)}."
-        )
-    if kind.dtype == jnp.bool_:
-        k = jnp.asarray(k, jnp.int32)
-    if known is None:
-        return jnp.asarray(k)  # traced under jit: see `_window_complete`
-    value = known.item()
-    if not 1 <= value <= _INT32_MAX or value != int(value):
-        try:
-            at = f" at gradient step {int(gradient_step)}"
-        except jax.errors.ConcretizationTypeError:
-            at = ""
-        raise ValueError(
-            f"every_k_schedule returned {value!r}{at}; a window is a whole "
-            "number of mini-steps from 1 to 2**31 - 1 (the state counts them in "
-            "int32). Round the schedule's output (e.g. "
-            "`jnp.ceil(k).astype(jnp.int32)`)."
-        )
-    return jnp.asarray(k)
+from ._weighted import (
+    NO_WEIGHT,
+    WeightedMultiStepsState,
+    Weights,
+    check_state_kind,
+    check_weight,
+    check_weighted,
+    fold_weighted,
+    weight_dtype,
+    window_weights,
+)
 
 
 def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
@@ -126,145 +76,14 @@ def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
     return jnp.logical_and(k > 0, mini_step + 1 >= k)
 
 
-# Raised by JAX for dtypes it does not promote together (float8 with
-# float32). Public as `jax.dtypes.TypePromotionError` from jax 0.10; before,
-# only its base class is: catching that is as narrow here, where the calls
-# in each `try` can raise nothing else.
-_PROMOTION_ERROR: type[Exception] = getattr(
-    jax.dtypes, "TypePromotionError", ValueError
-)
-
-
-def _holds(wide: Any, narrow: Any) -> bool:
-    """Whether every value of dtype `narrow` is a value of dtype `wide` (as
-    JAX promotes: integers count as held by floats). For the dtypes JAX does
-    not promote together (float8 with float32, say) the formats are
-    compared."""
-    try:
-        return jnp.promote_types(narrow, wide) == wide
-    except _PROMOTION_ERROR:
-        pass
-    if not (jnp.issubdtype(wide, jnp.inexact) and jnp.issubdtype(narrow, jnp.inexact)):
-        return False
-    if jnp.issubdtype(narrow, jnp.complexfloating) and not jnp.issubdtype(
-        wide, jnp.complexfloating
-    ):
-        return False
-    w, n = jnp.finfo(wide), jnp.finfo(narrow)
-    return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
-
-
-def _promote(dtype: Any, accumulator_dtype: Any, path: str) -> Any:
-    """The least dtype holding both, or an error naming `accumulator_dtype`."""
-    try:
-        return jnp.promote_types(dtype, accumulator_dtype)
-    except _PROMOTION_ERROR:
-        pass
-    if _holds(accumulator_dtype, dtype):
-        return jnp.dtype(accumulator_dtype)
-    if _holds(dtype, accumulator_dtype):
-        return jnp.dtype(dtype)
-    raise TypeError(
-        f"MultiSteps(accumulator_dtype={jnp.dtype(accumulator_dtype)}) cannot "
-        f"accumulate the params at {path or 'the root'} of dtype {jnp.dtype(dtype)}: "
-        "neither dtype holds every value of the other. Pass an accumulator_dtype "
-        "that holds both (e.g. jnp.float32 for float8 params)."
-    )
-
-
-def _work_dtype(acc_dtype: Any) -> Any:
-    """The dtype a mini-step's running mean is computed in: float32 for
-    floating accumulators narrower than it (float16, bfloat16, float8), where
-    `g - acc` would overflow (the mean of 6e4 and -6e4 in float16) and every
-    operation would round; the accumulator's own dtype otherwise."""
-    if jnp.issubdtype(acc_dtype, jnp.floating) and jnp.finfo(acc_dtype).bits < 32:
-        return jnp.dtype(jnp.float32)
-    return acc_dtype
-
-
-def _check_state(state: Any, method: str) -> None:
-    """Raises a `TypeError` unless `state` is a `MultiStepsState`-like value
-    with scalar integer counters."""
-    fields = optax.MultiStepsState._fields
-    missing = [f for f in fields if not hasattr(state, f)]
-    if missing:
-        if isinstance(state, dict) and set(fields) <= set(state):
-            # What a checkpoint library gives back restored without a target.
-            hint = (
-                "It is a dict with the state's fields, as a checkpoint restored "
-                "without a target comes back: restore into the abstract state "
-                "(`jax.eval_shape(opt.init, params)`) or the state init "
-                "returns, so that its types come back too."
-            )
-        else:
-            hint = (
-                "Pass the whole MultiSteps state (not its inner_opt_state, nor "
-                "another optimizer's state)."
-            )
-        raise TypeError(
-            f"MultiSteps.{method}'s `state` must be the optax.MultiStepsState "
-            f"that MultiSteps.init returned, got {describe_value(state)}, which "
-            f"has no {', '.join(missing)}. {hint}"
-        )
-    for name in ("mini_step", "gradient_step"):
-        value = getattr(state, name)
-        dtype = getattr(value, "dtype", None)
-        if (
-            dtype is None
-            or not jnp.issubdtype(dtype, jnp.integer)
-            or jnp.shape(value) != ()
-        ):
-            raise TypeError(
-                f"MultiSteps.{method}'s `state.{name}` must be a scalar integer "
-                f"array (as MultiSteps.init builds it), got {describe_value(value)}."
-            )
-
-
-def _check_skip_fn(fn: Any) -> Callable | None:
-    if fn is not None and not callable(fn):
-        raise TypeError(
-            "should_skip_update_fn must be None or a function "
-            f"(updates, gradient_step, params) -> (bool, state), got {fn!r}."
-        )
-    return fn
-
-
-def _should_skip(
-    fn: Callable | None, updates: PyTree, gradient_step: jax.Array, params: PyTree
-) -> tuple[jax.Array, PyTree]:
-    """`fn(updates, gradient_step, params)` checked: a scalar bool and the
-    skip state; never skip (and an empty state) without `fn`."""
-    if fn is None:
-        return jnp.zeros((), jnp.bool_), ()
-    out = fn(updates, gradient_step, params)
-    name = getattr(fn, "__name__", repr(fn))
-    if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(
-            f"should_skip_update_fn {name} must return a pair (should_skip, "
-            f"skip_state), got {type(out).__name__}: {out!r}."
-        )
-    should_skip, skip_state = out
-    dtype = getattr(should_skip, "dtype", None)
-    if isinstance(should_skip, bool):
-        should_skip = jnp.asarray(should_skip)
-    elif dtype != jnp.bool_ or jnp.shape(should_skip) != ():
-        raise TypeError(
-            f"should_skip_update_fn {name} must return a scalar bool as its first "
-            f"output, got {type(should_skip).__name__} {should_skip!r} (dtype "
-            f"{dtype}, shape {jnp.shape(should_skip)}). "
-            "Reduce it to one decision, e.g. with `jnp.any(...)`."
-        )
-    return should_skip, skip_state
-
-
 def _fold(g: jax.Array, acc: jax.Array, mini_step: jax.Array, mean: bool) -> jax.Array:
     """`acc` with the gradient `g` folded in: the running mean (Welford,
     `acc + (g - acc) / (n + 1)`) or sum; the first mini-step of a window
     *selects* `g`, so even a buffer holding a NaN (a state saved by
     optax.MultiSteps, say) starts the window clean. float16 and bfloat16
-    accumulators are updated in float32 and rounded once (`_work_dtype`)."""
+    accumulators are updated in float32 and rounded once (`work_dtype`)."""
     # lax, not jnp: no per-leaf `jit` of jnp's functions to trace and inline.
-    work = _work_dtype(acc.dtype)
+    work = work_dtype(acc.dtype)
     g = widen(jnp.asarray(g), work)
     old = lax.convert_element_type(acc, work)
     if mean:
@@ -273,109 +92,6 @@ def _fold(g: jax.Array, acc: jax.Array, mini_step: jax.Array, mean: bool) -> jax
     else:
         running = lax.add(old, g)
     return lax.convert_element_type(lax.select(mini_step == 0, g, running), acc.dtype)
-
-
-class WeightedMultiStepsState(NamedTuple):
-    """The state of `MultiSteps(..., weighted=True)`: the fields of
-    `optax.MultiStepsState`, in its order, and the window's running weight."""
-
-    mini_step: jax.Array
-    """The number of mini-steps accumulated in this window (int32)."""
-    gradient_step: jax.Array
-    """The number of windows applied (int32); a window of weight 0 is not."""
-    inner_opt_state: Any
-    """The inner optimizer's state."""
-    acc_grads: Any
-    """The window's weighted running mean of the gradients."""
-    skip_state: Any
-    """What `should_skip_update_fn` returned last (`()` without one)."""
-    acc_weight: jax.Array
-    """The sum of the window's weights so far (float32; float64 for float64
-    or complex128 accumulators). With `axis_name`, this device's own."""
-
-
-_NO_WEIGHT = object()
-
-
-def _weight_dtype(acc: PyTree) -> Any:
-    """float32, or float64 where an accumulator works in float64 or
-    complex128: the ratio of weights divides gradients in that dtype."""
-    for a in jax.tree.leaves(acc):
-        if jnp.finfo(_work_dtype(jnp.result_type(a))).bits == 64:  # complex128 too
-            return jnp.dtype(jnp.float64)
-    return jnp.dtype(jnp.float32)
-
-
-def _check_weight(weight: Any, weighted: bool, method: str) -> Any:
-    """The `weight` of one mini-step, checked: given exactly when `weighted`,
-    a real scalar, and >= 0 and finite where known while tracing."""
-    if not weighted:
-        if weight is not _NO_WEIGHT:
-            raise TypeError(
-                f"MultiSteps.{method} got weight={describe_value(weight)}, but "
-                "this MultiSteps was built without weighted=True, where every "
-                "mini-step counts the same. Build it with "
-                "`MultiSteps(..., weighted=True)` (and init its state again) "
-                "to average the mini-steps by weight."
-            )
-        return None
-    if weight is _NO_WEIGHT:
-        raise TypeError(
-            f"MultiSteps(weighted=True).{method} needs `weight=`: this "
-            "mini-step's weight, a scalar >= 0 (e.g. its number of "
-            "non-padding tokens). The window emits the mean of its gradients "
-            "weighted by it."
-        )
-    dtype = getattr(weight, "dtype", None)
-    if dtype is None:
-        if isinstance(weight, bool) or not isinstance(weight, int | float):
-            dtype = None
-        else:
-            dtype = jnp.result_type(weight)
-    real = (
-        dtype is not None
-        and not isinstance(weight, bool)
-        and dtype != jnp.bool_
-        and (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
-    )
-    if not real or jnp.shape(weight) != ():
-        raise TypeError(
-            f"MultiSteps.{method}'s `weight` must be a real scalar >= 0 (an "
-            "int or float, e.g. the mini-step's number of non-padding tokens), "
-            f"got {describe_value(weight)}."
-        )
-    try:
-        known = float(np.asarray(weight))
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return weight  # traced: not checked (see the docstring)
-    if not (known >= 0 and np.isfinite(known)):
-        raise ValueError(
-            f"MultiSteps.{method}'s `weight` must be finite and >= 0, got "
-            f"{known!r}: it is the mini-step's share of the window (e.g. its "
-            "number of non-padding tokens)."
-        )
-    return weight
-
-
-def _fold_weighted(
-    g: jax.Array,
-    acc: jax.Array,
-    first: jax.Array,
-    nothing: jax.Array,
-    scale: jax.Array,
-) -> jax.Array:
-    """`acc` with `g` folded in at weight `w`: the weighted running mean
-    `acc + (g - acc) / (W / w)`, `W` the window's weight with `w`; `g` is
-    *selected* where nothing came before (`first`), and `acc` kept where
-    `w == 0` (`nothing`), so a weight-0 gradient, even a NaN one, leaves no
-    trace."""
-    work = _work_dtype(acc.dtype)
-    g = widen(jnp.asarray(g), work)
-    old = lax.convert_element_type(acc, work)
-    scale = lax.broadcast_in_dim(lax.convert_element_type(scale, work), old.shape, ())
-    running = lax.add(old, lax.div(lax.sub(g, old), scale))
-    new = lax.convert_element_type(lax.select(first, g, running), acc.dtype)
-    return lax.select(nothing, acc, new)
 
 
 def _accumulate(
@@ -387,7 +103,7 @@ def _accumulate(
     devices: Any,
     weighted: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> PyTree:
-    """`acc` with `grads` folded in (`_fold`; `_fold_weighted` with its
+    """`acc` with `grads` folded in (`_fold`; `fold_weighted` with its
     `(first, nothing, scale)` given as `weighted`), kept where `should_skip`.
     The gradient gets the state's device axis (if any), which the
     accumulator keeps through the `cond`: a reshape of the `cond`'s result
@@ -397,7 +113,7 @@ def _accumulate(
         if weighted is None:
             new = _fold(devices.add_axis(g), a, mini_step, mean)
         else:
-            new = _fold_weighted(devices.add_axis(g), a, *weighted)
+            new = fold_weighted(devices.add_axis(g), a, *weighted)
         return new if should_skip is None else lax.select(should_skip, a, new)
 
     return jax.tree.map(one, grads, acc)
@@ -428,160 +144,13 @@ def _as_gradient(mean: jax.Array, dtype: Any) -> jax.Array:
 
 
 def _zero_accumulator(params: PyTree, accumulator_dtype: Any) -> PyTree:
-    """Zeros for each params leaf, in its accumulator's dtype (`_acc_dtype`)."""
+    """Zeros for each params leaf, in its accumulator's dtype (`acc_dtype`)."""
     return jax.tree_util.tree_map_with_path(
         lambda path, p: jnp.zeros(
-            jnp.shape(p), _acc_dtype(p, accumulator_dtype, jax.tree_util.keystr(path))
+            jnp.shape(p), acc_dtype(p, accumulator_dtype, jax.tree_util.keystr(path))
         ),
         params,
     )
-
-
-def _acc_dtype(param: Any, acc: Any, path: str) -> Any:
-    """The accumulator's dtype for a params leaf: the least dtype holding
-    the leaf's dtype and `accumulator_dtype` (a Python number counts as
-    weakly typed, as in JAX's promotion), the leaf's own with `None`;
-    `accumulator_dtype` (float32 with `None`) for integer leaves."""
-    dtype = jnp.result_type(param)
-    if jnp.issubdtype(dtype, jnp.integer):
-        return jnp.dtype(jnp.float32) if acc is None else acc
-    if acc is None:
-        return dtype
-    try:
-        return jnp.result_type(param, acc)
-    except _PROMOTION_ERROR:
-        return _promote(dtype, acc, path)
-
-
-def _check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None:
-    """Raises where the gradients do not fit the accumulator: another tree
-    or shapes, or a dtype the accumulator's does not hold (accumulating
-    would round it)."""
-    check_same_structure(
-        acc,
-        grads,
-        expected_name="the accumulated gradients in the state",
-        got_name="the updates",
-    )
-    check_same_shapes(
-        acc,
-        grads,
-        expected_name="the accumulated gradients",
-        got_name="the updates",
-        hint="the gradients must have the shapes of the params.",
-    )
-    for (path, g), a in zip(
-        jax.tree_util.tree_flatten_with_path(grads)[0],
-        jax.tree.leaves(acc),
-        strict=True,
-    ):
-        if getattr(g, "dtype", None) == jax.dtypes.float0:
-            raise TypeError(
-                f"MultiSteps: the gradient at {jax.tree_util.keystr(path)} has "
-                "dtype float0, what `jax.grad(..., allow_int=True)` gives an "
-                "integer param: there is nothing to accumulate or apply there "
-                "(optax's optimizers and `apply_updates` refuse float0 too). "
-                "Pass None there, as `eqx.filter_grad` does, or leave the "
-                "integer params out of the differentiated tree."
-            )
-        g_dtype = jnp.result_type(g)
-        try:
-            held = jnp.result_type(g, a.dtype) == a.dtype
-        except _PROMOTION_ERROR:
-            held = _holds(a.dtype, g_dtype)
-        if held:
-            continue
-        where = jax.tree_util.keystr(path)
-        try:
-            wide = f"jnp.{_promote(g_dtype, a.dtype, where)}"
-        except TypeError:
-            wide = f"a dtype holding {g_dtype}"
-        raise TypeError(
-            f"MultiSteps: the gradient at {where or 'the root'} has dtype "
-            f"{g_dtype}, but the accumulator for it in the state "
-            f"(acc_grads{where}) has dtype {a.dtype}, which does not hold "
-            f"every {g_dtype} value: accumulating would round every "
-            f"gradient to {a.dtype}. The accumulator's dtype is fixed by "
-            "init: the least dtype holding the params' dtype and "
-            f"accumulator_dtype (here accumulator_dtype="
-            f"{accumulator_dtype}). Build MultiSteps with "
-            f"accumulator_dtype={wide} and init it again, or pass gradients "
-            f"of dtype {a.dtype}."
-        )
-
-
-def _check_weighted(weighted: Any, use_grad_mean: Any) -> bool:
-    if not isinstance(weighted, bool | np.bool_):
-        raise TypeError(
-            f"weighted must be True or False, got {describe_value(weighted)}."
-        )
-    if weighted and not use_grad_mean:
-        raise ValueError(
-            "MultiSteps(weighted=True) emits the weighted mean of the window's "
-            "gradients; it takes no use_grad_mean=False. For the gradient of "
-            "a sum over the window's tokens, scale the inner optimizer's "
-            "learning rate by the window's weight instead."
-        )
-    return bool(weighted)
-
-
-def _check_state_kind(state: Any, weighted: bool, method: str) -> None:
-    """Raises where the state is of the other kind (weighted or not) than
-    this `MultiSteps`, or its `acc_weight` is not a float scalar."""
-    has = isinstance(state, WeightedMultiStepsState) or hasattr(state, "acc_weight")
-    if weighted and not has:
-        raise TypeError(
-            f"MultiSteps(weighted=True).{method}'s `state` has no acc_weight: "
-            f"got {type(state).__name__}, not the WeightedMultiStepsState that "
-            "its init returns. Build the state with this MultiSteps' init."
-        )
-    if not weighted and isinstance(state, WeightedMultiStepsState):
-        raise TypeError(
-            f"MultiSteps.{method} was built without weighted=True but got a "
-            "WeightedMultiStepsState (from MultiSteps(..., weighted=True).init); "
-            "build both with the same `weighted`."
-        )
-    if weighted:
-        value = state.acc_weight
-        dtype = getattr(value, "dtype", None)
-        if (
-            dtype is None
-            or not jnp.issubdtype(dtype, jnp.floating)
-            or jnp.shape(value) not in ((), (1,))
-        ):
-            raise TypeError(
-                f"MultiSteps.{method}'s `state.acc_weight` must be a float "
-                "scalar (as init builds it), got "
-                f"{describe_value(value)}."
-            )
-
-
-class _Weights(NamedTuple):
-    """One weighted mini-step's scalars (`_window_weights`)."""
-
-    stored: jax.Array  # the state's running weight, as it came in
-    total: jax.Array  # the window's running weight with this mini-step's
-    folding: tuple[jax.Array, jax.Array, jax.Array]  # `_fold_weighted`'s
-
-
-def _window_weights(
-    acc_weight: jax.Array, weight: Any, mini_step: jax.Array
-) -> _Weights:
-    """The running weight after adding `weight`, and how `_fold_weighted`
-    folds it in. A window's first mini-step starts from 0, whatever the
-    state holds. `W / w` is computed with `w` replaced by 1 where it is 0
-    (it is then not used), so no step makes a NaN or `inf`."""
-    stored = acc_weight if jnp.ndim(acc_weight) == 0 else acc_weight[0]
-    dtype = stored.dtype
-    if not isinstance(weight, jax.Array):  # a Python or NumPy number: in
-        # float directly (JAX would make an int64 an int32 first, wrapping it)
-        weight = np.asarray(weight).astype(dtype)
-    w = lax.convert_element_type(weight, dtype)
-    before = jnp.where(mini_step == 0, jnp.zeros((), dtype), stored)
-    total = before + w
-    nothing = w == 0
-    scale = total / jnp.where(nothing, jnp.ones((), dtype), w)
-    return _Weights(stored, total, (before == 0, nothing, scale))
 
 
 class MultiSteps(Configured):
@@ -664,14 +233,14 @@ class MultiSteps(Configured):
         weighted: bool = False,
     ):
         check_transformation(opt, "opt")
-        self._weighted = _check_weighted(weighted, use_grad_mean)
+        self._weighted = check_weighted(weighted, use_grad_mean)
         self._opt = with_extra_args(opt)
         # As given: `apply_gradients` fuses through a nested MultiSteps or
         # skip_when, which `with_extra_args` would hide.
         self._fusable_inner = opt
-        self._every_k_schedule = _validate_every_k(every_k_schedule)
+        self._every_k_schedule = validate_every_k(every_k_schedule)
         self._use_grad_mean = bool(use_grad_mean)
-        self._should_skip_update_fn = _check_skip_fn(should_skip_update_fn)
+        self._should_skip_update_fn = check_skip_fn(should_skip_update_fn)
         self._accumulator_dtype = check_accumulator_dtype(
             accumulator_dtype, complex_ok=True
         )
@@ -709,7 +278,7 @@ class MultiSteps(Configured):
             self._opt.init, params, self._inner_structures, is_params=True
         )
         gradient_step = jnp.zeros((), jnp.int32)
-        _, skip_state = _should_skip(
+        _, skip_state = skip_decision(
             self._should_skip_update_fn,
             jax.tree.map(jnp.zeros_like, params),
             gradient_step,
@@ -729,7 +298,7 @@ class MultiSteps(Configured):
         )
         if not self._weighted:
             return state
-        weight = jnp.zeros((), _weight_dtype(acc_grads))
+        weight = jnp.zeros((), weight_dtype(acc_grads))
         return WeightedMultiStepsState(
             *state, acc_weight=self._devices.add_axis(weight)
         )
@@ -788,12 +357,12 @@ class MultiSteps(Configured):
         devices = self._devices
         devices.check_bound("update")
         method = "apply_gradients" if fused else "update"
-        _check_state(state, method)
+        check_state(state, method)
         extra_args = dict(extra_args)
-        weight = _check_weight(
-            extra_args.pop("weight", _NO_WEIGHT), self._weighted, method
+        weight = check_weight(
+            extra_args.pop("weight", NO_WEIGHT), self._weighted, method
         )
-        _check_state_kind(state, self._weighted, method)
+        check_state_kind(state, self._weighted, method)
         acc_in = devices.drop_axis(state.acc_grads)
         all_params = params
         if params is not None:
@@ -803,7 +372,7 @@ class MultiSteps(Configured):
         # the updates.
         given = updates
         updates = fill_untrained_gaps(updates, params)
-        _check_gradients(updates, acc_in, self._accumulator_dtype)
+        check_gradients(updates, acc_in, self._accumulator_dtype)
         # Against what init built the inner state from: the params where
         # given (an integer leaf's accumulator is float32, its param not).
         record = check_state_structure(
@@ -819,7 +388,7 @@ class MultiSteps(Configured):
         devices.check_gradients(updates, acc_in)
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
-        k = _check_k(self._every_k_schedule(gradient_step), gradient_step)
+        k = check_k(self._every_k_schedule(gradient_step), gradient_step)
         skipping = self._should_skip_update_fn is not None
         seen = updates
         if skipping and self._weighted:
@@ -834,7 +403,7 @@ class MultiSteps(Configured):
             seen = jax.tree.map(
                 lambda g: jnp.where(zero_weight, jnp.zeros_like(g), g), updates
             )
-        should_skip, skip_state = _should_skip(
+        should_skip, skip_state = skip_decision(
             self._should_skip_update_fn, seen, gradient_step, params
         )
         if skipping:
@@ -842,7 +411,7 @@ class MultiSteps(Configured):
 
         folding = weights = None
         if self._weighted:
-            weights = _window_weights(state.acc_weight, weight, mini_step)
+            weights = window_weights(state.acc_weight, weight, mini_step)
             folding = weights.folding
         acc_grads = _accumulate(
             updates,
@@ -927,7 +496,7 @@ class MultiSteps(Configured):
 
     def _weighted_step(
         self,
-        weights: _Weights,
+        weights: Weights,
         window_end: jax.Array,
         should_skip: jax.Array,
         skip_state: PyTree,

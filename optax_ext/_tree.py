@@ -571,3 +571,13 @@ def as_index(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def work_dtype(acc_dtype: Any) -> Any:
+    """The dtype a mini-step's running mean is computed in: float32 for
+    floating accumulators narrower than it (float16, bfloat16, float8), where
+    `g - acc` would overflow (the mean of 6e4 and -6e4 in float16) and every
+    operation would round; the accumulator's own dtype otherwise."""
+    if jnp.issubdtype(acc_dtype, jnp.floating) and jnp.finfo(acc_dtype).bits < 32:
+        return jnp.dtype(jnp.float32)
+    return acc_dtype

@@ -1,0 +1,282 @@
+"""What `MultiSteps` checks of its arguments and inputs, each with an
+error that names the argument, what was passed and what is expected: the
+window length, the accumulator's dtype for each params leaf, the state,
+the skip function's output, and the gradients against the accumulator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import PyTree
+
+from ._tree import (
+    as_index,
+    check_same_shapes,
+    check_same_structure,
+    describe_value,
+)
+
+INT32_MAX = int(jnp.iinfo(jnp.int32).max)
+
+
+def validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
+    if callable(every_k_schedule):
+        return every_k_schedule
+    # A bool is the int it is, as in optax (which tests `isinstance(k, int)`).
+    k = (
+        int(every_k_schedule)
+        if isinstance(every_k_schedule, bool)
+        else as_index(every_k_schedule)
+    )
+    if k is not None:
+        if not 1 <= k <= INT32_MAX:
+            raise ValueError(
+                "every_k_schedule must be an int from 1 to 2**31 - 1, got "
+                f"{every_k_schedule!r}: it is the number of mini-steps "
+                "accumulated per update, counted in the state's int32 mini_step."
+            )
+        return lambda _: k
+    raise TypeError(
+        "every_k_schedule must be a positive int or a function of the gradient "
+        f"step returning one, got {every_k_schedule!r} of type "
+        f"{type(every_k_schedule).__name__}."
+    )
+
+
+def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
+    """The window length from `every_k_schedule`: a scalar int, a float
+    holding a whole number, or a bool (`True` is 1), as optax accepts. A
+    value known while tracing (a Python or NumPy number, or a JAX array made
+    outside the trace) must be a whole number from 1 to 2**31 - 1, under
+    `jit` too; a traced one (under `jit` that includes a `jnp` constant made
+    inside the schedule) is handled by `_window_complete`."""
+    try:
+        known = np.asarray(k)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        known = None
+    kind = known if known is not None else jnp.asarray(k)
+    numeric = (
+        jnp.issubdtype(kind.dtype, jnp.integer)
+        or jnp.issubdtype(kind.dtype, jnp.floating)
+        or kind.dtype == jnp.bool_
+    )
+    if kind.shape != () or not numeric:
+        raise TypeError(
+            "every_k_schedule must return a scalar int (the number of mini-steps "
+            f"in this window), got {describe_value(k)}."
+        )
+    if kind.dtype == jnp.bool_:
+        k = jnp.asarray(k, jnp.int32)
+    if known is None:
+        return jnp.asarray(k)  # traced under jit: see `_window_complete`
+    value = known.item()
+    if not 1 <= value <= INT32_MAX or value != int(value):
+        try:
+            at = f" at gradient step {int(gradient_step)}"
+        except jax.errors.ConcretizationTypeError:
+            at = ""
+        raise ValueError(
+            f"every_k_schedule returned {value!r}{at}; a window is a whole "
+            "number of mini-steps from 1 to 2**31 - 1 (the state counts them in "
+            "int32). Round the schedule's output (e.g. "
+            "`jnp.ceil(k).astype(jnp.int32)`)."
+        )
+    return jnp.asarray(k)
+
+
+# Raised by JAX for dtypes it does not promote together (float8 with
+# float32). Public as `jax.dtypes.TypePromotionError` from jax 0.10; before,
+# only its base class is: catching that is as narrow here, where the calls
+# in each `try` can raise nothing else.
+PROMOTION_ERROR: type[Exception] = getattr(jax.dtypes, "TypePromotionError", ValueError)
+
+
+def holds(wide: Any, narrow: Any) -> bool:
+    """Whether every value of dtype `narrow` is a value of dtype `wide` (as
+    JAX promotes: integers count as held by floats). For the dtypes JAX does
+    not promote together (float8 with float32, say) the formats are
+    compared."""
+    try:
+        return jnp.promote_types(narrow, wide) == wide
+    except PROMOTION_ERROR:
+        pass
+    if not (jnp.issubdtype(wide, jnp.inexact) and jnp.issubdtype(narrow, jnp.inexact)):
+        return False
+    if jnp.issubdtype(narrow, jnp.complexfloating) and not jnp.issubdtype(
+        wide, jnp.complexfloating
+    ):
+        return False
+    w, n = jnp.finfo(wide), jnp.finfo(narrow)
+    return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
+
+
+def promote(dtype: Any, accumulator_dtype: Any, path: str) -> Any:
+    """The least dtype holding both, or an error naming `accumulator_dtype`."""
+    try:
+        return jnp.promote_types(dtype, accumulator_dtype)
+    except PROMOTION_ERROR:
+        pass
+    if holds(accumulator_dtype, dtype):
+        return jnp.dtype(accumulator_dtype)
+    if holds(dtype, accumulator_dtype):
+        return jnp.dtype(dtype)
+    raise TypeError(
+        f"MultiSteps(accumulator_dtype={jnp.dtype(accumulator_dtype)}) cannot "
+        f"accumulate the params at {path or 'the root'} of dtype {jnp.dtype(dtype)}: "
+        "neither dtype holds every value of the other. Pass an accumulator_dtype "
+        "that holds both (e.g. jnp.float32 for float8 params)."
+    )
+
+
+def check_state(state: Any, method: str) -> None:
+    """Raises a `TypeError` unless `state` is a `MultiStepsState`-like value
+    with scalar integer counters."""
+    fields = optax.MultiStepsState._fields
+    missing = [f for f in fields if not hasattr(state, f)]
+    if missing:
+        if isinstance(state, dict) and set(fields) <= set(state):
+            # What a checkpoint library gives back restored without a target.
+            hint = (
+                "It is a dict with the state's fields, as a checkpoint restored "
+                "without a target comes back: restore into the abstract state "
+                "(`jax.eval_shape(opt.init, params)`) or the state init "
+                "returns, so that its types come back too."
+            )
+        else:
+            hint = (
+                "Pass the whole MultiSteps state (not its inner_opt_state, nor "
+                "another optimizer's state)."
+            )
+        raise TypeError(
+            f"MultiSteps.{method}'s `state` must be the optax.MultiStepsState "
+            f"that MultiSteps.init returned, got {describe_value(state)}, which "
+            f"has no {', '.join(missing)}. {hint}"
+        )
+    for name in ("mini_step", "gradient_step"):
+        value = getattr(state, name)
+        dtype = getattr(value, "dtype", None)
+        if (
+            dtype is None
+            or not jnp.issubdtype(dtype, jnp.integer)
+            or jnp.shape(value) != ()
+        ):
+            raise TypeError(
+                f"MultiSteps.{method}'s `state.{name}` must be a scalar integer "
+                f"array (as MultiSteps.init builds it), got {describe_value(value)}."
+            )
+
+
+def check_skip_fn(fn: Any) -> Callable | None:
+    if fn is not None and not callable(fn):
+        raise TypeError(
+            "should_skip_update_fn must be None or a function "
+            f"(updates, gradient_step, params) -> (bool, state), got {fn!r}."
+        )
+    return fn
+
+
+def skip_decision(
+    fn: Callable | None, updates: PyTree, gradient_step: jax.Array, params: PyTree
+) -> tuple[jax.Array, PyTree]:
+    """`fn(updates, gradient_step, params)` checked: a scalar bool and the
+    skip state; never skip (and an empty state) without `fn`."""
+    if fn is None:
+        return jnp.zeros((), jnp.bool_), ()
+    out = fn(updates, gradient_step, params)
+    name = getattr(fn, "__name__", repr(fn))
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            f"should_skip_update_fn {name} must return a pair (should_skip, "
+            f"skip_state), got {type(out).__name__}: {out!r}."
+        )
+    should_skip, skip_state = out
+    dtype = getattr(should_skip, "dtype", None)
+    if isinstance(should_skip, bool):
+        should_skip = jnp.asarray(should_skip)
+    elif dtype != jnp.bool_ or jnp.shape(should_skip) != ():
+        raise TypeError(
+            f"should_skip_update_fn {name} must return a scalar bool as its first "
+            f"output, got {type(should_skip).__name__} {should_skip!r} (dtype "
+            f"{dtype}, shape {jnp.shape(should_skip)}). "
+            "Reduce it to one decision, e.g. with `jnp.any(...)`."
+        )
+    return should_skip, skip_state
+
+
+def check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None:
+    """Raises where the gradients do not fit the accumulator: another tree
+    or shapes, or a dtype the accumulator's does not hold (accumulating
+    would round it)."""
+    check_same_structure(
+        acc,
+        grads,
+        expected_name="the accumulated gradients in the state",
+        got_name="the updates",
+    )
+    check_same_shapes(
+        acc,
+        grads,
+        expected_name="the accumulated gradients",
+        got_name="the updates",
+        hint="the gradients must have the shapes of the params.",
+    )
+    for (path, g), a in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0],
+        jax.tree.leaves(acc),
+        strict=True,
+    ):
+        if getattr(g, "dtype", None) == jax.dtypes.float0:
+            raise TypeError(
+                f"MultiSteps: the gradient at {jax.tree_util.keystr(path)} has "
+                "dtype float0, what `jax.grad(..., allow_int=True)` gives an "
+                "integer param: there is nothing to accumulate or apply there "
+                "(optax's optimizers and `apply_updates` refuse float0 too). "
+                "Pass None there, as `eqx.filter_grad` does, or leave the "
+                "integer params out of the differentiated tree."
+            )
+        g_dtype = jnp.result_type(g)
+        try:
+            held = jnp.result_type(g, a.dtype) == a.dtype
+        except PROMOTION_ERROR:
+            held = holds(a.dtype, g_dtype)
+        if held:
+            continue
+        where = jax.tree_util.keystr(path)
+        try:
+            wide = f"jnp.{promote(g_dtype, a.dtype, where)}"
+        except TypeError:
+            wide = f"a dtype holding {g_dtype}"
+        raise TypeError(
+            f"MultiSteps: the gradient at {where or 'the root'} has dtype "
+            f"{g_dtype}, but the accumulator for it in the state "
+            f"(acc_grads{where}) has dtype {a.dtype}, which does not hold "
+            f"every {g_dtype} value: accumulating would round every "
+            f"gradient to {a.dtype}. The accumulator's dtype is fixed by "
+            "init: the least dtype holding the params' dtype and "
+            f"accumulator_dtype (here accumulator_dtype="
+            f"{accumulator_dtype}). Build MultiSteps with "
+            f"accumulator_dtype={wide} and init it again, or pass gradients "
+            f"of dtype {a.dtype}."
+        )
+
+
+def acc_dtype(param: Any, acc: Any, path: str) -> Any:
+    """The accumulator's dtype for a params leaf: the least dtype holding
+    the leaf's dtype and `accumulator_dtype` (a Python number counts as
+    weakly typed, as in JAX's promotion), the leaf's own with `None`;
+    `accumulator_dtype` (float32 with `None`) for integer leaves."""
+    dtype = jnp.result_type(param)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.dtype(jnp.float32) if acc is None else acc
+    if acc is None:
+        return dtype
+    try:
+        return jnp.result_type(param, acc)
+    except PROMOTION_ERROR:
+        return promote(dtype, acc, path)

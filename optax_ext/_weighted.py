@@ -1,0 +1,197 @@
+"""`MultiSteps(..., weighted=True)`: its state, the `weight=` of a
+mini-step, and the weighted running mean. Each mini-step's gradient is
+folded with its weight `w` as `acc + (g - acc) / (W / w)`, `W` the window's
+running weight; a weight-0 mini-step is not read (`docs/multi_steps.md`,
+"Uneven micro-batches").
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import PyTree
+
+from ._tree import (
+    describe_value,
+    widen,
+    work_dtype,
+)
+
+
+class WeightedMultiStepsState(NamedTuple):
+    """The state of `MultiSteps(..., weighted=True)`: the fields of
+    `optax.MultiStepsState`, in its order, and the window's running weight."""
+
+    mini_step: jax.Array
+    """The number of mini-steps accumulated in this window (int32)."""
+    gradient_step: jax.Array
+    """The number of windows applied (int32); a window of weight 0 is not."""
+    inner_opt_state: Any
+    """The inner optimizer's state."""
+    acc_grads: Any
+    """The window's weighted running mean of the gradients."""
+    skip_state: Any
+    """What `should_skip_update_fn` returned last (`()` without one)."""
+    acc_weight: jax.Array
+    """The sum of the window's weights so far (float32; float64 for float64
+    or complex128 accumulators). With `axis_name`, this device's own."""
+
+
+NO_WEIGHT = object()
+
+
+def weight_dtype(acc: PyTree) -> Any:
+    """float32, or float64 where an accumulator works in float64 or
+    complex128: the ratio of weights divides gradients in that dtype."""
+    for a in jax.tree.leaves(acc):
+        if jnp.finfo(work_dtype(jnp.result_type(a))).bits == 64:  # complex128 too
+            return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
+
+
+def check_weight(weight: Any, weighted: bool, method: str) -> Any:
+    """The `weight` of one mini-step, checked: given exactly when `weighted`,
+    a real scalar, and >= 0 and finite where known while tracing."""
+    if not weighted:
+        if weight is not NO_WEIGHT:
+            raise TypeError(
+                f"MultiSteps.{method} got weight={describe_value(weight)}, but "
+                "this MultiSteps was built without weighted=True, where every "
+                "mini-step counts the same. Build it with "
+                "`MultiSteps(..., weighted=True)` (and init its state again) "
+                "to average the mini-steps by weight."
+            )
+        return None
+    if weight is NO_WEIGHT:
+        raise TypeError(
+            f"MultiSteps(weighted=True).{method} needs `weight=`: this "
+            "mini-step's weight, a scalar >= 0 (e.g. its number of "
+            "non-padding tokens). The window emits the mean of its gradients "
+            "weighted by it."
+        )
+    dtype = getattr(weight, "dtype", None)
+    if dtype is None:
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            dtype = None
+        else:
+            dtype = jnp.result_type(weight)
+    real = (
+        dtype is not None
+        and not isinstance(weight, bool)
+        and dtype != jnp.bool_
+        and (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
+    )
+    if not real or jnp.shape(weight) != ():
+        raise TypeError(
+            f"MultiSteps.{method}'s `weight` must be a real scalar >= 0 (an "
+            "int or float, e.g. the mini-step's number of non-padding tokens), "
+            f"got {describe_value(weight)}."
+        )
+    try:
+        known = float(np.asarray(weight))
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return weight  # traced: not checked (see the docstring)
+    if not (known >= 0 and np.isfinite(known)):
+        raise ValueError(
+            f"MultiSteps.{method}'s `weight` must be finite and >= 0, got "
+            f"{known!r}: it is the mini-step's share of the window (e.g. its "
+            "number of non-padding tokens)."
+        )
+    return weight
+
+
+def fold_weighted(
+    g: jax.Array,
+    acc: jax.Array,
+    first: jax.Array,
+    nothing: jax.Array,
+    scale: jax.Array,
+) -> jax.Array:
+    """`acc` with `g` folded in at weight `w`: the weighted running mean
+    `acc + (g - acc) / (W / w)`, `W` the window's weight with `w`; `g` is
+    *selected* where nothing came before (`first`), and `acc` kept where
+    `w == 0` (`nothing`), so a weight-0 gradient, even a NaN one, leaves no
+    trace."""
+    work = work_dtype(acc.dtype)
+    g = widen(jnp.asarray(g), work)
+    old = lax.convert_element_type(acc, work)
+    scale = lax.broadcast_in_dim(lax.convert_element_type(scale, work), old.shape, ())
+    running = lax.add(old, lax.div(lax.sub(g, old), scale))
+    new = lax.convert_element_type(lax.select(first, g, running), acc.dtype)
+    return lax.select(nothing, acc, new)
+
+
+def check_weighted(weighted: Any, use_grad_mean: Any) -> bool:
+    if not isinstance(weighted, bool | np.bool_):
+        raise TypeError(
+            f"weighted must be True or False, got {describe_value(weighted)}."
+        )
+    if weighted and not use_grad_mean:
+        raise ValueError(
+            "MultiSteps(weighted=True) emits the weighted mean of the window's "
+            "gradients; it takes no use_grad_mean=False. For the gradient of "
+            "a sum over the window's tokens, scale the inner optimizer's "
+            "learning rate by the window's weight instead."
+        )
+    return bool(weighted)
+
+
+def check_state_kind(state: Any, weighted: bool, method: str) -> None:
+    """Raises where the state is of the other kind (weighted or not) than
+    this `MultiSteps`, or its `acc_weight` is not a float scalar."""
+    has = isinstance(state, WeightedMultiStepsState) or hasattr(state, "acc_weight")
+    if weighted and not has:
+        raise TypeError(
+            f"MultiSteps(weighted=True).{method}'s `state` has no acc_weight: "
+            f"got {type(state).__name__}, not the WeightedMultiStepsState that "
+            "its init returns. Build the state with this MultiSteps' init."
+        )
+    if not weighted and isinstance(state, WeightedMultiStepsState):
+        raise TypeError(
+            f"MultiSteps.{method} was built without weighted=True but got a "
+            "WeightedMultiStepsState (from MultiSteps(..., weighted=True).init); "
+            "build both with the same `weighted`."
+        )
+    if weighted:
+        value = state.acc_weight
+        dtype = getattr(value, "dtype", None)
+        if (
+            dtype is None
+            or not jnp.issubdtype(dtype, jnp.floating)
+            or jnp.shape(value) not in ((), (1,))
+        ):
+            raise TypeError(
+                f"MultiSteps.{method}'s `state.acc_weight` must be a float "
+                "scalar (as init builds it), got "
+                f"{describe_value(value)}."
+            )
+
+
+class Weights(NamedTuple):
+    """One weighted mini-step's scalars (`window_weights`)."""
+
+    stored: jax.Array  # the state's running weight, as it came in
+    total: jax.Array  # the window's running weight with this mini-step's
+    folding: tuple[jax.Array, jax.Array, jax.Array]  # `fold_weighted`'s
+
+
+def window_weights(acc_weight: jax.Array, weight: Any, mini_step: jax.Array) -> Weights:
+    """The running weight after adding `weight`, and how `fold_weighted`
+    folds it in. A window's first mini-step starts from 0, whatever the
+    state holds. `W / w` is computed with `w` replaced by 1 where it is 0
+    (it is then not used), so no step makes a NaN or `inf`."""
+    stored = acc_weight if jnp.ndim(acc_weight) == 0 else acc_weight[0]
+    dtype = stored.dtype
+    if not isinstance(weight, jax.Array):  # a Python or NumPy number: in
+        # float directly (JAX would make an int64 an int32 first, wrapping it)
+        weight = np.asarray(weight).astype(dtype)
+    w = lax.convert_element_type(weight, dtype)
+    before = jnp.where(mini_step == 0, jnp.zeros((), dtype), stored)
+    total = before + w
+    nothing = w == 0
+    scale = total / jnp.where(nothing, jnp.ones((), dtype), w)
+    return Weights(stored, total, (before == 0, nothing, scale))
