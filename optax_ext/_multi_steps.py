@@ -153,6 +153,24 @@ def _zero_accumulator(params: PyTree, accumulator_dtype: Any) -> PyTree:
     )
 
 
+def _run_inner(
+    pred: jax.Array, inner: Callable, acc_grads: PyTree, inner_state: PyTree, carry
+) -> tuple[PyTree, PyTree, PyTree]:
+    """The inner optimizer on the window's accumulator where `pred`, in the
+    one `update_if`, the accumulator cleared after it: `inner(acc,
+    inner_state)` gives updates (drop-in), or `inner(acc, inner_state,
+    carry)` with the params as `carry` gives new params (fused)."""
+    return update_if(
+        pred,
+        inner,
+        acc_grads,
+        inner_state,
+        clear_grads=True,
+        carry=carry,
+        index_by_live=True,
+    )
+
+
 class MultiSteps(Configured):
     """Accumulates gradients over several mini-steps, then applies `opt` once.
 
@@ -463,27 +481,18 @@ class MultiSteps(Configured):
         # the donated buffer (see docs/design.md). The state after an
         # emitting step holds zeros there, as optax's does: a state saved by
         # either implementation continues correctly in the other.
-        if fused:
-            new_params, inner_state, acc_grads = update_if(
-                emit,
-                inner_apply,
-                acc_grads,
-                state.inner_opt_state,
-                clear_grads=True,
-                carry=params,
-                index_by_live=True,
-            )
-            result = merge_trainable(all_params, new_params)
-        else:
-            result, inner_state, acc_grads = update_if(
-                emit,
-                inner_update,
-                acc_grads,
-                state.inner_opt_state,
-                clear_grads=True,
-                index_by_live=True,
-            )
-            result = restore_none(given, result)
+        result, inner_state, acc_grads = _run_inner(
+            emit,
+            inner_apply if fused else inner_update,
+            acc_grads,
+            state.inner_opt_state,
+            params if fused else None,
+        )
+        result = (
+            merge_trainable(all_params, result)
+            if fused
+            else restore_none(given, result)
+        )
         new_state = optax.MultiStepsState(
             *_next_counters(emit, should_skip, mini_step, gradient_step),
             # A value written into the state weakly typed (`jnp.asarray(1e-2)`)
@@ -557,27 +566,18 @@ class MultiSteps(Configured):
         inner_in = state.inner_opt_state
         if not local:
             inner_in = (inner_in, jnp.zeros((), jnp.bool_))
-        if fused:
-            new_params, inner_out, acc_grads = update_if(
-                pred,
-                inner_apply,
-                acc_grads,
-                inner_in,
-                clear_grads=True,
-                carry=params,
-                index_by_live=True,
-            )
-            result = merge_trainable(all_params, new_params)
-        else:
-            result, inner_out, acc_grads = update_if(
-                pred,
-                inner_update,
-                acc_grads,
-                inner_in,
-                clear_grads=True,
-                index_by_live=True,
-            )
-            result = restore_none(given, result)
+        result, inner_out, acc_grads = _run_inner(
+            pred,
+            inner_apply if fused else inner_update,
+            acc_grads,
+            inner_in,
+            params if fused else None,
+        )
+        result = (
+            merge_trainable(all_params, result)
+            if fused
+            else restore_none(given, result)
+        )
         inner_state, emitted = (inner_out, pred) if local else inner_out
         mini, _ = _next_counters(window_end, should_skip, mini_step, gradient_step)
         _, gradient = _next_counters(emitted, should_skip, mini_step, gradient_step)
