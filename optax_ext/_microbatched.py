@@ -431,7 +431,7 @@ def _accumulate(
     if key_argnum is not None:
         keys = jax.random.split(args[key_argnum], k)
 
-    def cut(j: jax.Array) -> list:
+    def cut(j: jax.Array) -> tuple[list, dict[str, Any]]:
         call_args = list(args)
         call_kwargs = kwargs
         if regather:

@@ -14,7 +14,7 @@ is in `docs/design.md`.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -280,7 +280,9 @@ class MultiSteps(Configured):
         """The wrapped optimizer."""
         return self._opt
 
-    def init(self, params: optax.Params) -> optax.MultiStepsState:
+    def init(
+        self, params: optax.Params
+    ) -> optax.MultiStepsState | WeightedMultiStepsState:
         """Builds the initial `optax.MultiStepsState` for `params`.
 
         With `axis_name`, call it where that axis is bound (inside
@@ -321,13 +323,13 @@ class MultiSteps(Configured):
             *state, acc_weight=self._devices.add_axis(weight)
         )
 
-    def state_specs(self) -> optax.MultiStepsState:
+    def state_specs(self) -> optax.MultiStepsState | WeightedMultiStepsState:
         """`PartitionSpec`s of the state (a prefix of its tree) for
         `jax.shard_map`: `P()` everywhere, but `P(axis_name)` for `acc_grads`
         and `skip_state` with `axis_name`, where each device accumulates its
         own (outside `shard_map` their leaves have a leading device axis)."""
         replicated: Any = jax.sharding.PartitionSpec()
-        specs = optax.MultiStepsState(
+        specs: dict[str, Any] = dict(
             mini_step=replicated,
             gradient_step=replicated,
             inner_opt_state=replicated,
@@ -335,16 +337,16 @@ class MultiSteps(Configured):
             skip_state=self._devices.spec(),
         )
         if not self._weighted:
-            return specs
-        return WeightedMultiStepsState(*specs, acc_weight=self._devices.spec())
+            return optax.MultiStepsState(**specs)
+        return WeightedMultiStepsState(**specs, acc_weight=self._devices.spec())
 
     def update(
         self,
         updates: optax.Updates,
-        state: optax.MultiStepsState,
+        state: optax.MultiStepsState | WeightedMultiStepsState,
         params: optax.Params | None = None,
         **extra_args: Any,
-    ) -> tuple[optax.Updates, optax.MultiStepsState]:
+    ) -> tuple[optax.Updates, optax.MultiStepsState | WeightedMultiStepsState]:
         """Accumulates `updates`; returns the inner optimizer's updates on the
         last mini-step of a window and zeros otherwise. With `weighted=True`,
         pass `weight=` (this mini-step's weight); it is not forwarded to the
@@ -354,10 +356,10 @@ class MultiSteps(Configured):
     def _apply_gradients(
         self,
         grads: optax.Updates,
-        state: optax.MultiStepsState,
+        state: optax.MultiStepsState | WeightedMultiStepsState,
         params: optax.Params,
         **extra_args: Any,
-    ) -> tuple[optax.Params, optax.MultiStepsState]:
+    ) -> tuple[optax.Params, optax.MultiStepsState | WeightedMultiStepsState]:
         """`update` followed by applying the updates to `params`, fused: a
         mini-step returns `params` as they came in, without building zero
         updates (`optax_ext.apply_gradients` calls this)."""
@@ -366,12 +368,12 @@ class MultiSteps(Configured):
     def _step(
         self,
         updates: PyTree,
-        state: optax.MultiStepsState,
+        state: optax.MultiStepsState | WeightedMultiStepsState,
         params: PyTree | None,
         extra_args: dict[str, Any],
         *,
         fused: bool,
-    ) -> tuple[PyTree, optax.MultiStepsState]:
+    ) -> tuple[PyTree, optax.MultiStepsState | WeightedMultiStepsState]:
         devices = self._devices
         devices.check_bound("update")
         method = "apply_gradients" if fused else "update"
@@ -429,7 +431,9 @@ class MultiSteps(Configured):
 
         folding = weights = None
         if self._weighted:
-            weights = window_weights(state.acc_weight, weight, mini_step)
+            # `check_state_kind` saw its float `acc_weight`.
+            acc_weight = cast(WeightedMultiStepsState, state).acc_weight
+            weights = window_weights(acc_weight, weight, mini_step)
             folding = weights.folding
         acc_grads = _accumulate(
             updates,
@@ -510,7 +514,7 @@ class MultiSteps(Configured):
         should_skip: jax.Array,
         skip_state: PyTree,
         acc_grads: PyTree,
-        state: WeightedMultiStepsState,
+        state: optax.MultiStepsState | WeightedMultiStepsState,
         updates: PyTree,
         given: PyTree,
         params: PyTree | None,
@@ -593,7 +597,9 @@ class MultiSteps(Configured):
         )
         return result, new_state
 
-    def has_updated(self, state: optax.MultiStepsState) -> Bool[Array, ""]:
+    def has_updated(
+        self, state: optax.MultiStepsState | WeightedMultiStepsState
+    ) -> Bool[Array, ""]:
         """`True` when the last *accepted* mini-step completed a window, from
         the counters as in optax (`mini_step == 0 and gradient_step > 0`): a
         skipped step right after an emitting one leaves it `True`, as in

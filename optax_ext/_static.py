@@ -17,6 +17,7 @@ import struct
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 import optax
 
@@ -37,7 +38,7 @@ def _array_key(x: np.ndarray | np.generic | jax.Array) -> tuple:
     if np.ndim(x) != 0 or (isinstance(x, np.ndarray) and x.flags.writeable):
         raise _ByIdentity
     try:
-        if is_typed_key(x):
+        if isinstance(x, jax.Array) and is_typed_key(x):  # only JAX holds keys
             data = np.asarray(jax.random.key_data(x))
             return (kind, "key", str(jax.random.key_impl(x)), data.tobytes())
         bits = np.asarray(x)

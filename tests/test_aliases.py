@@ -175,6 +175,18 @@ def _bits(tree):
     ]
 
 
+# jax >= 0.12 (measured on 0.12.0.1): MultiSteps' emitted float16 updates of
+# these aliases (all take a sqrt or a norm) differ from the bare alias's by 1
+# float16 ulp at a few entries, with XLA's default compiler options too and
+# with excess precision off. jax 0.8.1 and 0.10.2 match bit for bit (A.ULPS),
+# and so keep the exact bound.
+MULTISTEPS_ULPS = (
+    {n: {jnp.dtype(jnp.float16): 1} for n in ("adadelta", "fromage", "lamb", "rmsprop")}
+    if jax.__version_info__ >= (0, 12)
+    else {}
+)
+
+
 def _check_multisteps(name, variant, dtype, use_grad_mean=True):
     dtype = jnp.dtype(dtype)
     params = A.params(dtype)
@@ -190,7 +202,12 @@ def _check_multisteps(name, variant, dtype, use_grad_mean=True):
         window = next(j for j, e in enumerate(emit_at) if i <= e)
         ref_updates = ref_updates_per_window[window]
         if i in emit_at:
-            A.assert_close(updates, ref_updates, f"emitted updates at mini-step {i}")
+            A.assert_close(
+                updates,
+                ref_updates,
+                f"emitted updates at mini-step {i}",
+                ulps=MULTISTEPS_ULPS.get(name),
+            )
         else:
             A.assert_exact_zeros(updates, ref_updates, f"updates at mini-step {i}")
             # The inner optimizer did not touch its state.
