@@ -106,3 +106,21 @@ def collectives_by_step(hlo):
         return [m.groups() for m in map(_COLLECTIVE.search, lines) if m]
 
     return found(mini), found(emitting)
+
+
+def loop_computations(comps):
+    """Names of the computations a `while` runs (its body and condition, and
+    everything they call)."""
+    seen, todo = set(), []
+    for lines in comps.values():
+        for line in lines:
+            if " while(" in line:
+                todo += re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            todo += re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", line)
+    return seen

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import hlo_computations, xla_cpu_only
+from _helpers import hlo_computations, loop_computations, xla_cpu_only
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -66,30 +66,12 @@ def _assert_close(got, want):
         )
 
 
-def _loop_computations(comps):
-    """Names of the computations a `while` runs (its body and condition, and
-    everything they call)."""
-    seen, todo = set(), []
-    for lines in comps.values():
-        for line in lines:
-            if " while(" in line:
-                todo += re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in comps:
-            continue
-        seen.add(name)
-        for line in comps[name]:
-            todo += re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", line)
-    return seen
-
-
 def _collectives(hlo):
     """(all-reduces outside any loop, all-reduces inside one, count of
     all-gather, all-to-all and collective-permute anywhere)."""
     comps = hlo_computations(hlo)
     assert any(" while(" in line for lines in comps.values() for line in lines)
-    loop = _loop_computations(comps)
+    loop = loop_computations(comps)
     inside = outside = 0
     for name, lines in comps.items():
         n = sum(1 for line in lines if re.search(r" all-reduce(?:-start)?\(", line))

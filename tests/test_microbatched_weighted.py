@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import hlo_computations
+from _helpers import hlo_computations, loop_computations
 from _tokens import LENGTH, micro_batch, params32, token_mean_loss
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -248,18 +248,7 @@ def _device_batch():
 
 def _all_reduces_outside_and_inside_loops(hlo):
     comps = hlo_computations(hlo)
-    loop, todo = set(), []
-    for lines in comps.values():
-        for line in lines:
-            if " while(" in line:
-                todo += re.findall(r"(?:body|condition)=%([\w.\-]+)", line)
-    while todo:
-        name = todo.pop()
-        if name in loop or name not in comps:
-            continue
-        loop.add(name)
-        for line in comps[name]:
-            todo += re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", line)
+    loop = loop_computations(comps)
     outside, inside = [], []
     for name, lines in comps.items():
         for line in lines:
