@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import optax
 
 import optax_ext
-from optax_ext import _conditional, _dataflow, _multi_steps, _ordering, _sharding
+from optax_ext import _conditional, _dataflow, _ordering, _sharding
 
 sys.path.insert(0, str(Path(__file__).parent))
 from run import machine, time_interleaved  # noqa: E402
@@ -85,13 +85,6 @@ def _jit_not_inlined(fun, **kwargs):
     return jax.jit(fun, **{**kwargs, "inline": False})
 
 
-def _index_by_pred(update_if):
-    def patched(*args, **kwargs):
-        return update_if(*args, **{**kwargs, "pred_from_state": False})
-
-    return patched
-
-
 # name -> what is replaced, as (module, attribute, replacement) triples.
 VARIANTS: dict[str, tuple[tuple[object, str, Callable[[], object]], ...]] = {
     "all": (),
@@ -119,9 +112,6 @@ VARIANTS: dict[str, tuple[tuple[object, str, Callable[[], object]], ...]] = {
                 }
             ),
         ),
-    ),
-    "index by pred": (
-        (_multi_steps, "update_if", lambda: _index_by_pred(_conditional.update_if)),
     ),
 }
 
@@ -174,14 +164,10 @@ MECHANISMS: dict[str, tuple[str, tuple[Callable, ...]]] = {
         (_ordering.opaque_true,),
     ),
     "no inline": ("the inner step's trace inlined into the branch", ()),
-    "index by pred": (
-        "MultiSteps' conditional indexed by the opaque predicate",
-        (),
-    ),
 }
 
 # Lines of mechanisms that live inside another function.
-INLINE_LINES = {"no nested select": 6, "no inline": 1, "index by pred": 3}
+INLINE_LINES = {"no nested select": 6, "no inline": 1}
 
 
 def code_lines(variant: str) -> int:

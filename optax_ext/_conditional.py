@@ -47,12 +47,9 @@ def update_if(
     *,
     clear_grads: bool = False,
     carry: PyTree = None,
-    pred_from_state: bool = False,
 ) -> tuple[PyTree, PyTree, PyTree | None]:
     """`inner_update(grads, inner_state)` where `pred`, else zero updates and
-    `inner_state` as it came in. `pred_from_state` says that `pred` is
-    computed from the caller's state (`MultiSteps`' counters), so it is
-    batched wherever the state is.
+    `inner_state` as it came in.
 
     The zeros have the dtypes of the inner optimizer's updates (not of
     `grads`), and the new state is conformed to the old one's avals, so both
@@ -151,16 +148,15 @@ def update_if(
     if opaque is not None:
         traced_pred = lax.bitwise_and(pred, opaque)
     # Where a state leaf is ordered after the updates the conditional must
-    # stay one (inlined, XLA fused past the token); where `pred` comes from
-    # the state, indexing by `traced_pred` keeps it unbatched under `vmap`
-    # exactly when the state is. Otherwise `pred` indexes, which lets XLA
-    # inline a conditional whose `pred` it folds (docs/design.md).
+    # stay one (inlined, XLA fused past the token). Otherwise `pred`
+    # indexes: XLA inlines a conditional whose `pred` it folds, and under
+    # `vmap` an unbatched `pred` keeps it a conditional (docs/design.md).
     ordering = any(
         orderable(aval) and reads
         for aval, reads in zip(out_avals[n_updates:], readers, strict=True)
     )
     return lax.cond(
-        traced_pred if ordering or pred_from_state else pred,
+        traced_pred if ordering else pred,
         run,
         skip,
         traced_pred,

@@ -167,7 +167,6 @@ def _run_inner(
         inner_state,
         clear_grads=True,
         carry=carry,
-        pred_from_state=True,
     )
 
 

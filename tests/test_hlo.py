@@ -489,6 +489,54 @@ def test_skip_when_under_vmap_with_a_shared_flag_keeps_its_conditional():
     assert _opcodes(compiled).count("conditional") == 1
 
 
+@COMPILED
+def test_multi_steps_under_vmap_with_shared_counters_keeps_its_conditional():
+    """vmap over a batch of models whose MultiSteps counters are shared (the
+    counters mapped with `None`, the accumulator and Adam's moments
+    batched): the window's conditional stays one, so a mini-step runs no
+    inner update, and the batch's updates are each model's own (against
+    the models run one by one). (Indexed by `traced_pred`, which tests an
+    element of the batched state, it became a select.)"""
+    tx = optax_ext.MultiSteps(optax.adam(1e-3), 3)
+    batch = jax.tree.map(lambda x: jnp.stack([x, x + 1.0]), PARAMS)
+    one = tx.init(PARAMS)
+    state = one._replace(
+        acc_grads=jax.tree.map(lambda x: jnp.stack([x, x]), one.acc_grads),
+        inner_opt_state=jax.tree.map(lambda x: jnp.stack([x, x]), one.inner_opt_state),
+    )
+    axes = optax.MultiStepsState(
+        mini_step=None,
+        gradient_step=None,
+        inner_opt_state=0,
+        acc_grads=0,
+        skip_state=None,
+    )
+
+    def train_step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.vmap(train_step, in_axes=(0, axes, 0), out_axes=(0, axes)))
+    compiled = step.lower(batch, state, batch).compile()
+    assert _opcodes(compiled).count("conditional") >= 1
+    params, grads = batch, jax.tree.map(lambda x: 0.5 * x, batch)
+    own = [jax.tree.map(lambda x, i=i: x[i], batch) for i in range(2)]
+    own_states = [tx.init(p) for p in own]
+    one_step = jax.jit(train_step)
+    for _ in range(3):
+        params, state = step(params, state, grads)
+        for i in range(2):
+            g = jax.tree.map(lambda x, i=i: x[i], grads)
+            own[i], own_states[i] = one_step(own[i], own_states[i], g)
+    for i in range(2):
+        for got, want in zip(
+            jax.tree.leaves(jax.tree.map(lambda x, i=i: x[i], params)),
+            jax.tree.leaves(own[i]),
+            strict=True,
+        ):
+            assert jnp.array_equal(got, want)
+
+
 def _gated_momentum(lr=1e-2):
     """Momentum whose step size a `lax.cond` picks, indexed by a test of the
     old trace; the new trace is computed outside that conditional."""
