@@ -31,6 +31,7 @@ from ._apply import (
 )
 from ._conditional import update_if
 from ._devices import AxisView, view
+from ._leaves import accumulated, restore_none, zeros_where_undifferentiated
 from ._multi_steps_checks import (
     acc_dtype,
     check_gradients,
@@ -40,17 +41,12 @@ from ._multi_steps_checks import (
     skip_decision,
     validate_every_k,
 )
+from ._records import check_state_structure, strong_as_recorded, traced_state_record
 from ._sharding import mirror_param_sharding
 from ._static import Configured, config_key
 from ._tree import (
-    accumulable,
     check_accumulator_dtype,
-    check_state_structure,
-    fill_untrained_gaps,
-    restore_none,
     saturating_increment,
-    strong_as_recorded,
-    traced_state_record,
     widen,
     work_dtype,
 )
@@ -290,7 +286,7 @@ class MultiSteps(Configured):
         device's own values, with a leading axis of length 1 (see
         `state_specs`).
         """
-        params = accumulable(params)
+        params = accumulated(params)
         self._devices.check_bound("init")
         acc_grads = _zero_accumulator(params, self._accumulator_dtype)
         inner_state = self._opt.init(params)
@@ -386,12 +382,12 @@ class MultiSteps(Configured):
         acc_in = devices.drop_axis(state.acc_grads)
         all_params = params
         if params is not None:
-            params = accumulable(params)
+            params = accumulated(params)
         # Integer and Python-number params hold state (as in optax) but get a
         # `None` gradient from `eqx.filter_grad`: zeros there, `None` back in
         # the updates.
         given = updates
-        updates = fill_untrained_gaps(updates, params)
+        updates = zeros_where_undifferentiated(updates, params)
         check_gradients(updates, acc_in, self._accumulator_dtype)
         # Against what init built the inner state from: the params where
         # given (an integer leaf's accumulator is float32, its param not).
