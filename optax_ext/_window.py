@@ -95,7 +95,7 @@ def run_window(
         state_in,
         clear_grads=True,
         carry=params if fused else None,
-        index_by_live=True,
+        pred_from_state=True,
     )
     inner_state, emitted = state_out if decided_inside else (state_out, pred)
     return result, inner_state, acc, emitted
