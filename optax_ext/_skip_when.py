@@ -110,7 +110,7 @@ class _SkipWhen(Configured):
         self, state: Any, template: Any, who: str, state_name: str, *, is_params: bool
     ) -> Any:
         """Checks `state` against what `inner.init` builds from params like
-        `template`; returns the record for `_tree.strong_as_recorded`."""
+        `template`; returns the record for `_records.strong_as_recorded`."""
         return check_state_structure(
             self.inner.init,
             state,
