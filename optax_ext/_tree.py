@@ -16,9 +16,6 @@ from jaxtyping import PyTree
 
 from ._leaves import is_none, optimised
 
-# alias for branches in flight; removed at merge
-from ._leaves import is_typed_key as is_typed_key  # noqa: E402, I001
-
 
 def is_transformation(x: Any) -> bool:
     """Whether `x` follows the optax protocol: callable `init` and `update`."""
@@ -194,16 +191,6 @@ def as_weak(x: jax.Array) -> jax.Array:
     return cast_like(x, jnp.asarray(python_zero))
 
 
-def describe_value(value: Any) -> str:
-    """A short description of a value for an error message."""
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} (a {type(value).__name__})"
-
-
 def check_updates_fit_params(updates: PyTree, params: PyTree, who: str) -> None:
     """Raises a `ValueError` naming the first path where `updates` do not have
     the tree of `optimised(params)` (a `None` update may stand for any param
@@ -235,6 +222,20 @@ def check_updates_fit_params(updates: PyTree, params: PyTree, who: str) -> None:
         )
     except ValueError as error:
         raise ValueError(f"{who}: {error}") from None
+
+
+def describe_value(value: Any) -> str:
+    """A short description of a value for an error message."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} (a {type(value).__name__})"
+
+
+# alias for branches in flight; removed at merge
+from ._leaves import is_typed_key as is_typed_key  # noqa: E402
 
 
 def check_accumulator_dtype(accumulator_dtype: Any, *, complex_ok: bool) -> Any:
