@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import inspect
 import json
-import random
 import re
 import statistics
 import subprocess
@@ -44,7 +43,7 @@ import optax_ext
 from optax_ext import _conditional, _dataflow, _multi_steps, _ordering, _sharding
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run import machine, time_calls  # noqa: E402
+from run import machine, time_interleaved  # noqa: E402
 from train_step import LAYOUTS, NEVER, make_params, plain_multi_steps  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -277,12 +276,7 @@ def bench(inner: str, layout: str, rounds: int) -> dict:
         for (variant, form), (init, step) in steps(inner, emit).items():
             label = f"{variant} | {form} | {'emit' if emit else 'mini'}"
             runners[label] = Runner(variant, step, init, params, grads)
-    order = list(runners.values())
-    shuffle = random.Random(0).shuffle
-    for _ in range(rounds):
-        shuffle(order)
-        for runner in order:
-            runner.times.append(time_calls(runner.call))
+    time_interleaved(list(runners.values()), rounds)
     return {
         label: {
             "ms": 1e3 * statistics.median(r.times),

@@ -156,6 +156,18 @@ def time_calls(call: Callable[[], float], min_seconds: float = MIN_SECONDS) -> f
     return total / calls
 
 
+def time_interleaved(runners: list, rounds: int) -> None:
+    """Times every runner once a round (`time_calls(runner.call)`, appended
+    to `runner.times`), in an order shuffled each round with a fixed seed:
+    a noisy machine slows all candidates alike, so their ratios hold."""
+    order = list(runners)
+    shuffle = random.Random(0).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for runner in order:
+            runner.times.append(time_calls(runner.call))
+
+
 def compile_time(tx: optax.GradientTransformation, params, grads) -> float:
     """Trace, lower and compile a fresh jit of the update (no cache hit)."""
     state = tx.init(params)

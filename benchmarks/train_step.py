@@ -4,7 +4,7 @@ Run with `python benchmarks/train_step.py` (`--quick` for a smoke run that
 writes nothing). Each case (inner optimizer, params layout, dtype) runs in a
 fresh process; within it every candidate is compiled first, then timed
 round-robin in a shuffled order each round (one timing of each candidate
-per round: consecutive calls lasting at least `MIN_SECONDS`), and the
+per round: consecutive calls lasting at least `run.MIN_SECONDS`), and the
 median over rounds is reported, so that a noisy shared machine slows all
 candidates alike and the ratios stay meaningful.
 
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import subprocess
 import sys
@@ -65,11 +64,10 @@ import optax
 import optax_ext
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run import machine, time_calls  # noqa: E402
+from run import machine, time_interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 NEVER = 1_000_000_000
-MIN_SECONDS = 0.05
 
 INNER: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adam": lambda: optax.adam(1e-3),
@@ -291,9 +289,6 @@ class Runner:
             self.params = out
         return time.perf_counter() - start
 
-    def timed(self) -> float:
-        return time_calls(self.call, MIN_SECONDS)
-
 
 def bench(inner: str, layout: str, dtype: str, rounds: int) -> dict:
     params = make_params(layout, dtype)
@@ -304,12 +299,7 @@ def bench(inner: str, layout: str, dtype: str, rounds: int) -> dict:
             donate = (1,) if name.endswith("update") else (0, 1)
             label = f"{name} {'emit' if emit else 'mini'}"
             runners[label] = Runner(init, step, params, grads, donate)
-    order = list(runners.values())
-    shuffle = random.Random(0).shuffle
-    for _ in range(rounds):
-        shuffle(order)
-        for runner in order:
-            runner.times.append(runner.timed())
+    time_interleaved(list(runners.values()), rounds)
     return {
         name: {
             "ms": 1e3 * statistics.median(r.times),
