@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import PyTree
 
+from ._leaves import is_none
 from ._static import Configured, Method
-from ._tree import is_none, is_transformation
+from ._tree import is_transformation
 
 
 def check_transformation(value: Any, name: str) -> None:

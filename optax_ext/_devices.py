@@ -31,7 +31,7 @@ def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple[str, Any, Any
         yield jax.tree_util.keystr(path) or "the root", g_axes, a_axes
 
 
-class OneView:
+class SingleDeviceState:
     """Without `axis_name`: the state is the state; nothing to reduce."""
 
     def check_bound(self, method: str) -> None:
@@ -85,7 +85,7 @@ class OneView:
         return acc, None
 
 
-class AxisView(OneView):
+class PerDeviceState(SingleDeviceState):
     """With `axis_name`: `acc_grads` and `skip_state` hold this device's own
     values under a leading axis of length 1 (`P(axis_name)` outside
     `shard_map`); the window's only collective is one `pmean`."""
@@ -181,5 +181,5 @@ class AxisView(OneView):
         return jax.tree.map(lambda m, a: m.astype(a.dtype), mean, acc), keep
 
 
-def view(axis_name: Hashable | None) -> OneView:
-    return OneView() if axis_name is None else AxisView(axis_name)
+def device_state(axis_name: Hashable | None) -> SingleDeviceState:
+    return SingleDeviceState() if axis_name is None else PerDeviceState(axis_name)

@@ -29,20 +29,17 @@ from ._inject_arguments import (
     is_mask_name,
     takes_a_float,
 )
+from ._leaves import inner_params, updates_for_inner, updates_for_params
+from ._records import avals_key
 from ._sharding import mirror_param_sharding
 from ._static import ConfigKey, Configured, config_key, snapshot
 from ._tree import (
     as_weak,
-    avals_key,
     check_updates_fit_params,
     describe_value,
-    fill_scalar_gaps,
     is_transformation,
     is_weak,
-    optimisable,
-    restore_untrained,
     saturating_increment,
-    strong_scalars,
 )
 
 
@@ -146,7 +143,9 @@ class Injection(Configured):
                 return jnp.asarray(as_float)
         return value
 
-    def _store(self, name: str, value: Any, dtype: Any, where: str) -> jax.Array:
+    def _as_state_value(
+        self, name: str, value: Any, dtype: Any, where: str
+    ) -> jax.Array:
         """`value` as a strongly typed array of `dtype`; a cast to another
         kind (a float into an int hyperparameter, a bool into a number) is
         refused: it would change the value silently. So is another shape
@@ -186,7 +185,9 @@ class Injection(Configured):
             )
         return jnp.asarray(array, dtype)  # strong: no weak type to lose
 
-    def _hand(self, name: str, stored: jax.Array, weak: bool) -> jax.Array:
+    def _as_factory_argument(
+        self, name: str, stored: jax.Array, weak: bool
+    ) -> jax.Array:
         """A stored hyperparameter as the factory receives it."""
         if self.dtype is not None and jnp.issubdtype(stored.dtype, jnp.floating):
             return stored  # hyperparam_dtype: strong, as optax hands it
@@ -217,7 +218,9 @@ class Injection(Configured):
                 f"The schedule given as {name} returned {describe_value(array)}; "
                 "a schedule must return a number (int, float or complex)."
             )
-        return self._store(name, array, self._storage_dtype(name, array, value), name)
+        return self._as_state_value(
+            name, array, self._storage_dtype(name, array, value), name
+        )
 
     def _hyperparams(
         self,
@@ -237,15 +240,15 @@ class Injection(Configured):
             if n not in numeric:
                 continue
             dtype = self._storage_dtype(n, self._as_given(n, given), given)
-            stored[n] = self._store(n, numeric[n], dtype, f"{where}[{n!r}]")
-            handed[n] = self._hand(n, stored[n], n in self.weak)
+            stored[n] = self._as_state_value(n, numeric[n], dtype, f"{where}[{n!r}]")
+            handed[n] = self._as_factory_argument(n, stored[n], n in self.weak)
         for n, schedule in self.schedules.items():
             stored[n] = self._schedule_value(
                 n, schedule, schedule_states[n], **extra_args
             )
             # Always weak: the bare factory casts a schedule's value to each
             # update's dtype (`optax.scale_by_schedule`), as a weak value is.
-            handed[n] = self._hand(n, stored[n], weak=True)
+            handed[n] = self._as_factory_argument(n, stored[n], weak=True)
         return stored, handed
 
     def _traceable(self, params: Any) -> dict[str, Any]:
@@ -349,7 +352,7 @@ class Injection(Configured):
         )
 
     def init(self, params: Any) -> optax.InjectStatefulHyperparamsState:
-        params = strong_scalars(optimisable(params))
+        params = inner_params(params)
         self._check_masks(params)
         schedule_states = {n: s.init() for n, s in self.schedules.items()}
         stored, handed = self._hyperparams(
@@ -375,14 +378,13 @@ class Injection(Configured):
                 f"returned by this optimizer's init or update; got "
                 f"{describe_value(state)}."
             )
-        kept = None if params is None else optimisable(params)
         check_updates_fit_params(
-            updates, kept, f"inject_hyperparams({self._name}).update"
+            updates, params, f"inject_hyperparams({self._name}).update"
         )
-        filled = fill_scalar_gaps(updates, params)
-        inner_params = None if kept is None else strong_scalars(kept)
+        given_params = None if params is None else inner_params(params)
+        filled = updates_for_inner(updates, params)
         self._check_names(
-            state.hyperparams, filled if inner_params is None else inner_params
+            state.hyperparams, filled if given_params is None else given_params
         )
         stored, handed = self._hyperparams(
             state.hyperparams,
@@ -395,10 +397,10 @@ class Injection(Configured):
             for n, s in self.schedules.items()
         }
         new_updates, inner_state = self._build(handed).update(
-            filled, state.inner_state, inner_params, **extra_args
+            filled, state.inner_state, given_params, **extra_args
         )
         count = saturating_increment(state.count)
-        return restore_untrained(
+        return updates_for_params(
             updates, new_updates, params
         ), optax.InjectStatefulHyperparamsState(
             count=count.astype(jnp.int32),

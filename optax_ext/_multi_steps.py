@@ -18,53 +18,41 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jaxtyping import Array, Bool, PyTree
 
 from ._apply import (
-    apply_gradients,
     check_transformation,
     merge_trainable,
     with_extra_args,
 )
-from ._conditional import update_if
-from ._devices import AxisView, view
+from ._devices import device_state
+from ._leaves import accumulated, restore_none
 from ._multi_steps_checks import (
     acc_dtype,
-    check_gradients,
-    check_k,
     check_skip_fn,
-    check_state,
+    check_step,
     skip_decision,
     validate_every_k,
 )
+from ._records import strong_as_recorded, traced_state_record
 from ._sharding import mirror_param_sharding
 from ._static import Configured, config_key
 from ._tree import (
-    accumulable,
     check_accumulator_dtype,
-    check_state_structure,
-    fill_untrained_gaps,
-    restore_none,
     saturating_increment,
-    strong_as_recorded,
-    traced_state_record,
     widen,
     work_dtype,
 )
 from ._weighted import (
-    NO_WEIGHT,
     WeightedMultiStepsState,
-    Weights,
-    check_state_kind,
-    check_weight,
     check_weighted,
     fold_weighted,
     weight_dtype,
     window_weights,
 )
+from ._window import run_window
 
 
 def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
@@ -120,17 +108,22 @@ def _accumulate(
 
 
 def _next_counters(
-    emit: jax.Array,
+    window_end: jax.Array,
+    emitted: jax.Array,
     should_skip: jax.Array,
     mini_step: jax.Array,
     gradient_step: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """`mini_step` and `gradient_step` after this step: a window restarts
-    where it emitted, a skipped step counts nothing, neither overflows."""
+    where it ended, `gradient_step` counts the windows the inner optimizer
+    ran on (a weighted window of weight 0 ends without), a skipped step
+    counts nothing, neither overflows."""
     mini = jnp.where(
-        emit, 0, jnp.where(should_skip, mini_step, saturating_increment(mini_step))
+        window_end,
+        0,
+        jnp.where(should_skip, mini_step, saturating_increment(mini_step)),
     )
-    gradient = jnp.where(emit, saturating_increment(gradient_step), gradient_step)
+    gradient = jnp.where(emitted, saturating_increment(gradient_step), gradient_step)
     return mini.astype(mini_step.dtype), gradient
 
 
@@ -150,23 +143,6 @@ def _zero_accumulator(params: PyTree, accumulator_dtype: Any) -> PyTree:
             jnp.shape(p), acc_dtype(p, accumulator_dtype, jax.tree_util.keystr(path))
         ),
         params,
-    )
-
-
-def _run_inner(
-    pred: jax.Array, inner: Callable, acc_grads: PyTree, inner_state: PyTree, carry
-) -> tuple[PyTree, PyTree, PyTree]:
-    """The inner optimizer on the window's accumulator where `pred`, in the
-    one `update_if`, the accumulator cleared after it: `inner(acc,
-    inner_state)` gives updates (drop-in), or `inner(acc, inner_state,
-    carry)` with the params as `carry` gives new params (fused)."""
-    return update_if(
-        pred,
-        inner,
-        acc_grads,
-        inner_state,
-        clear_grads=True,
-        carry=carry,
     )
 
 
@@ -270,7 +246,7 @@ class MultiSteps(Configured):
             axis_name,
             self._weighted,
         )
-        self._devices = view(axis_name)
+        self._devices = device_state(axis_name)
         # `check_state_structure`'s answers by the avals of its template.
         self._inner_structures: dict[tuple, Any] = {}
 
@@ -289,7 +265,7 @@ class MultiSteps(Configured):
         device's own values, with a leading axis of length 1 (see
         `state_specs`).
         """
-        params = accumulable(params)
+        params = accumulated(params)
         self._devices.check_bound("init")
         acc_grads = _zero_accumulator(params, self._accumulator_dtype)
         inner_state = self._opt.init(params)
@@ -366,235 +342,97 @@ class MultiSteps(Configured):
 
     def _step(
         self,
-        updates: PyTree,
+        grads: PyTree,
         state: optax.MultiStepsState | WeightedMultiStepsState,
         params: PyTree | None,
         extra_args: dict[str, Any],
         *,
         fused: bool,
     ) -> tuple[PyTree, optax.MultiStepsState | WeightedMultiStepsState]:
-        devices = self._devices
-        devices.check_bound("update")
-        method = "apply_gradients" if fused else "update"
-        check_state(state, method)
-        extra_args = dict(extra_args)
-        weight = check_weight(
-            extra_args.pop("weight", NO_WEIGHT), self._weighted, method
+        """`update` (`fused=False`) or `_apply_gradients`: checks the inputs
+        once, folds the gradients into the accumulator, decides whether the
+        window ends, runs the inner optimizer in the one conditional, and
+        returns its updates (or the new params) with the next state."""
+        given, all_params = grads, params
+        step = check_step(
+            grads,
+            state,
+            params,
+            extra_args,
+            method="apply_gradients" if fused else "update",
+            devices=self._devices,
+            weighted=self._weighted,
+            accumulator_dtype=self._accumulator_dtype,
+            inner_init=self._opt.init,
+            inner_structures=self._inner_structures,
+            every_k_schedule=self._every_k_schedule,
         )
-        check_state_kind(state, self._weighted, method)
-        acc_in = devices.drop_axis(state.acc_grads)
-        all_params = params
-        if params is not None:
-            params = accumulable(params)
-        # Integer and Python-number params hold state (as in optax) but get a
-        # `None` gradient from `eqx.filter_grad`: zeros there, `None` back in
-        # the updates.
-        given = updates
-        updates = fill_untrained_gaps(updates, params)
-        check_gradients(updates, acc_in, self._accumulator_dtype)
-        # Against what init built the inner state from: the params where
-        # given (an integer leaf's accumulator is float32, its param not).
-        record = check_state_structure(
-            self._opt.init,
-            state.inner_opt_state,
-            acc_in if params is None else params,
-            self._inner_structures,
-            is_params=params is not None,
-            who="MultiSteps.update",
-            state_name="state.inner_opt_state",
-            owner="MultiSteps",
-        )
-        devices.check_gradients(updates, acc_in)
+        grads, params = step.grads, step.params
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
-        k = check_k(self._every_k_schedule(gradient_step), gradient_step)
-        skipping = self._should_skip_update_fn is not None
-        seen = updates
-        if skipping and self._weighted:
-            # A weight-0 mini-step's gradient is not read (an all-padding
-            # micro-batch's NaN): the skip test sees zeros there, so such a
-            # step counts as accepted and adds nothing.
-            zero_weight = (
-                weight == 0
-                if isinstance(weight, jax.Array)
-                else np.asarray(weight) == 0
-            )
-            seen = jax.tree.map(
-                lambda g: jnp.where(zero_weight, jnp.zeros_like(g), g), updates
-            )
-        should_skip, skip_state = skip_decision(
-            self._should_skip_update_fn, seen, gradient_step, params
-        )
-        if skipping:
-            should_skip = devices.agree(should_skip)
 
-        folding = weights = None
+        skip_fn = self._should_skip_update_fn
+        should_skip, skip_state = skip_decision(
+            skip_fn, grads, gradient_step, params, step.weight
+        )
+        if skip_fn is not None:
+            should_skip = self._devices.agree(should_skip)
+        weights = None
         if self._weighted:
-            # `check_state_kind` saw its float `acc_weight`.
+            # `check_step` saw its float `acc_weight`.
             acc_weight = cast(WeightedMultiStepsState, state).acc_weight
-            weights = window_weights(acc_weight, weight, mini_step)
-            folding = weights.folding
-        acc_grads = _accumulate(
-            updates,
+            weights = window_weights(acc_weight, step.weight, mini_step)
+        acc = _accumulate(
+            grads,
             state.acc_grads,
             mini_step,
             self._use_grad_mean,
-            should_skip if skipping else None,
-            devices,
-            folding,
+            None if skip_fn is None else should_skip,
+            self._devices,
+            None if weights is None else weights.folding,
         )
-        emit = jnp.logical_and(
-            jnp.logical_not(should_skip), _window_complete(mini_step, k)
+        window_end = jnp.logical_and(
+            jnp.logical_not(should_skip), _window_complete(mini_step, step.k)
         )
-        if weights is not None:
-            return self._weighted_step(
-                weights,
-                emit,
-                should_skip,
-                skip_state,
-                acc_grads,
-                state,
-                updates,
-                given,
-                params,
-                all_params,
-                record,
-                extra_args,
-                fused=fused,
-            )
-        update_dtypes = jax.tree.map(lambda g: jnp.result_type(g), updates)
 
-        def window_grads(acc_grads):
-            acc_grads = devices.window_mean(acc_grads)
-            return jax.tree.map(_as_gradient, acc_grads, update_dtypes)
-
-        def inner_update(acc_grads, inner_state):
-            grads = window_grads(acc_grads)
-            return self._opt.update(grads, inner_state, params, **extra_args)
-
-        def inner_apply(acc_grads, inner_state, params):
-            grads = window_grads(acc_grads)
-            return apply_gradients(
-                self._fusable_inner, grads, inner_state, params, **extra_args
-            )
-
-        # Only the inner optimizer sits inside the `cond`. The accumulator goes
-        # in and comes back out: cleared in the emitting branch once the inner
-        # optimizer has read it, as it came in from the other. Both keep it in
-        # the donated buffer (see docs/design.md). The state after an
-        # emitting step holds zeros there, as optax's does: a state saved by
-        # either implementation continues correctly in the other.
-        result, inner_state, acc_grads = _run_inner(
-            emit,
-            inner_apply if fused else inner_update,
-            acc_grads,
+        grad_dtypes = jax.tree.map(lambda g: jnp.result_type(g), grads)
+        result, inner_state, acc, emitted = run_window(
+            window_end,
+            weights,
+            acc,
             state.inner_opt_state,
-            params if fused else None,
+            params,
+            step.extra_args,
+            inner=self._opt,
+            fusable_inner=self._fusable_inner,
+            devices=self._devices,
+            as_gradients=lambda mean: jax.tree.map(_as_gradient, mean, grad_dtypes),
+            fused=fused,
         )
         result = (
             merge_trainable(all_params, result)
             if fused
             else restore_none(given, result)
         )
-        new_state = optax.MultiStepsState(
-            *_next_counters(emit, should_skip, mini_step, gradient_step),
+        mini, gradient = _next_counters(
+            window_end, emitted, should_skip, mini_step, gradient_step
+        )
+        fields: dict[str, Any] = dict(
+            mini_step=mini,
+            gradient_step=gradient,
             # A value written into the state weakly typed (`jnp.asarray(1e-2)`)
             # leaves with init's avals.
-            inner_opt_state=strong_as_recorded(inner_state, record),
-            acc_grads=acc_grads,
-            skip_state=devices.add_axis(skip_state),
+            inner_opt_state=strong_as_recorded(inner_state, step.record),
+            acc_grads=acc,
+            skip_state=self._devices.add_axis(skip_state),
         )
-        return result, new_state
-
-    def _weighted_step(
-        self,
-        weights: Weights,
-        window_end: jax.Array,
-        should_skip: jax.Array,
-        skip_state: PyTree,
-        acc_grads: PyTree,
-        state: optax.MultiStepsState | WeightedMultiStepsState,
-        updates: PyTree,
-        given: PyTree,
-        params: PyTree | None,
-        all_params: PyTree | None,
-        record: Any,
-        extra_args: dict[str, Any],
-        *,
-        fused: bool,
-    ) -> tuple[PyTree, WeightedMultiStepsState]:
-        """The rest of `_step` with `weighted=True`: the window's weighted
-        mean goes to the inner optimizer where the window's weights sum to
-        more than 0. On one device that is known before the `cond` (its
-        predicate); with `axis_name` only after the window's all-reduce, so
-        the emitting branch selects the updates (zeros), the inner state and
-        the params as they came in where the sum over the devices is 0, and
-        hands the decision out with the inner state."""
-        devices = self._devices
-        mini_step = jnp.asarray(state.mini_step)
-        gradient_step = jnp.asarray(state.gradient_step)
-        update_dtypes = jax.tree.map(lambda g: jnp.result_type(g), updates)
-        local = not isinstance(devices, AxisView)
-        pred = jnp.logical_and(window_end, weights.total > 0) if local else window_end
-
-        def window_grads(acc_grads):
-            mean, keep = devices.window_weighted_mean(acc_grads, weights.total)
-            return jax.tree.map(_as_gradient, mean, update_dtypes), keep
-
-        def keep_or(keep, new, old):
-            return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
-
-        def inner_update(acc_grads, inner):
-            grads, keep = window_grads(acc_grads)
-            if keep is None:
-                return self._opt.update(grads, inner, params, **extra_args)
-            inner_state, _ = inner
-            out, new = self._opt.update(grads, inner_state, params, **extra_args)
-            out = jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), out)
-            return out, (keep_or(keep, new, inner_state), keep)
-
-        def inner_apply(acc_grads, inner, params):
-            grads, keep = window_grads(acc_grads)
-            inner_state = inner if keep is None else inner[0]
-            new_params, new = apply_gradients(
-                self._fusable_inner, grads, inner_state, params, **extra_args
-            )
-            if keep is None:
-                return new_params, new
-            return keep_or(keep, new_params, params), (
-                keep_or(keep, new, inner_state),
-                keep,
-            )
-
-        inner_in = state.inner_opt_state
-        if not local:
-            inner_in = (inner_in, jnp.zeros((), jnp.bool_))
-        result, inner_out, acc_grads = _run_inner(
-            pred,
-            inner_apply if fused else inner_update,
-            acc_grads,
-            inner_in,
-            params if fused else None,
-        )
-        result = (
-            merge_trainable(all_params, result)
-            if fused
-            else restore_none(given, result)
-        )
-        inner_state, emitted = (inner_out, pred) if local else inner_out
-        mini, _ = _next_counters(window_end, should_skip, mini_step, gradient_step)
-        _, gradient = _next_counters(emitted, should_skip, mini_step, gradient_step)
+        if weights is None:
+            return result, optax.MultiStepsState(**fields)
         running = jnp.where(should_skip, weights.stored, weights.total)
         acc_weight = jnp.where(window_end, jnp.zeros_like(running), running)
-        new_state = WeightedMultiStepsState(
-            mini,
-            gradient,
-            inner_opt_state=strong_as_recorded(inner_state, record),
-            acc_grads=acc_grads,
-            skip_state=devices.add_axis(skip_state),
-            acc_weight=devices.add_axis(acc_weight),
+        return result, WeightedMultiStepsState(
+            **fields, acc_weight=self._devices.add_axis(acc_weight)
         )
-        return result, new_state
 
     def has_updated(
         self, state: optax.MultiStepsState | WeightedMultiStepsState

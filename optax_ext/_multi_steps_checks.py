@@ -1,4 +1,5 @@
-"""What `MultiSteps` checks of its arguments and inputs, each with an
+"""`check_step` runs every check of a `MultiSteps` step's inputs, once, at
+its entry. What `MultiSteps` checks of its arguments and inputs, each with an
 error that names the argument, what was passed and what is expected: the
 window length, the accumulator's dtype for each params leaf, the state,
 the skip function's output, and the gradients against the accumulator.
@@ -7,7 +8,7 @@ the skip function's output, and the gradients against the accumulator.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,14 +16,83 @@ import numpy as np
 import optax
 from jaxtyping import PyTree
 
+from ._devices import SingleDeviceState
+from ._leaves import accumulated, zeros_where_undifferentiated
+from ._records import check_state_structure
 from ._tree import (
     as_index,
     check_same_shapes,
     check_same_structure,
     describe_value,
 )
+from ._weighted import NO_WEIGHT, check_state_kind, check_weight
 
 INT32_MAX = int(jnp.iinfo(jnp.int32).max)
+
+
+class StepInputs(NamedTuple):
+    """A step's inputs, checked by `check_step`."""
+
+    grads: PyTree
+    """The gradients, with zeros where an accumulated param got `None`."""
+    params: PyTree | None
+    """`accumulated(params)`, or `None` where none were passed."""
+    weight: Any
+    """The mini-step's `weight=` (`None` without `weighted=True`)."""
+    k: jax.Array
+    """The length of the window this mini-step is in."""
+    record: Any
+    """What the inner `init` builds, for `strong_as_recorded`."""
+    extra_args: dict[str, Any]
+    """The extra arguments for the inner optimizer (`weight=` taken out)."""
+
+
+def check_step(
+    grads: PyTree,
+    state: Any,
+    params: PyTree | None,
+    extra_args: dict[str, Any],
+    *,
+    method: str,
+    devices: SingleDeviceState,
+    weighted: bool,
+    accumulator_dtype: Any,
+    inner_init: Callable,
+    inner_structures: dict,
+    every_k_schedule: Callable[[jax.Array], Any],
+) -> StepInputs:
+    """Every check of a `MultiSteps` step's inputs, in the order a bad input
+    is reported: the mesh axis, the state, the weight, the gradients against
+    the accumulator, the inner state against what `inner_init` builds (from
+    the params where given: an integer leaf's accumulator is float32, its
+    param not), the devices' gradients, the window length."""
+    devices.check_bound("update")
+    check_state(state, method)
+    extra_args = dict(extra_args)
+    weight = check_weight(extra_args.pop("weight", NO_WEIGHT), weighted, method)
+    check_state_kind(state, weighted, method)
+    acc = devices.drop_axis(state.acc_grads)
+    if params is not None:
+        params = accumulated(params)
+    # Integer and Python-number params hold state (as in optax) but get a
+    # `None` gradient from `eqx.filter_grad`: zeros there, `None` back in
+    # the updates.
+    grads = zeros_where_undifferentiated(grads, params)
+    check_gradients(grads, acc, accumulator_dtype)
+    record = check_state_structure(
+        inner_init,
+        state.inner_opt_state,
+        acc if params is None else params,
+        inner_structures,
+        is_params=params is not None,
+        who="MultiSteps.update",
+        state_name="state.inner_opt_state",
+        owner="MultiSteps",
+    )
+    devices.check_gradients(grads, acc)
+    gradient_step = jnp.asarray(state.gradient_step)
+    k = check_k(every_k_schedule(gradient_step), gradient_step)
+    return StepInputs(grads, params, weight, k, record, extra_args)
 
 
 def validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
@@ -182,12 +252,26 @@ def check_skip_fn(fn: Any) -> Callable | None:
 
 
 def skip_decision(
-    fn: Callable | None, updates: PyTree, gradient_step: jax.Array, params: PyTree
+    fn: Callable | None,
+    updates: PyTree,
+    gradient_step: jax.Array,
+    params: PyTree,
+    weight: Any = None,
 ) -> tuple[jax.Array, PyTree]:
     """`fn(updates, gradient_step, params)` checked: a scalar bool and the
-    skip state; never skip (and an empty state) without `fn`."""
+    skip state; never skip (and an empty state) without `fn`. A mini-step of
+    `weight` 0 has its gradient not read (an all-padding micro-batch's NaN):
+    `fn` sees zeros there, so such a step counts as accepted and adds
+    nothing."""
     if fn is None:
         return jnp.zeros((), jnp.bool_), ()
+    if weight is not None:
+        zero_weight = (
+            weight == 0 if isinstance(weight, jax.Array) else np.asarray(weight) == 0
+        )
+        updates = jax.tree.map(
+            lambda g: jnp.where(zero_weight, jnp.zeros_like(g), g), updates
+        )
     out = fn(updates, gradient_step, params)
     name = getattr(fn, "__name__", repr(fn))
     if not (isinstance(out, tuple) and len(out) == 2):

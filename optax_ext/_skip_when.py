@@ -15,19 +15,15 @@ from ._apply import (
     with_extra_args,
 )
 from ._conditional import update_if
-from ._static import Configured, config_key
-from ._tree import (
-    check_state_structure,
-    check_updates_fit_params,
-    describe_value,
-    fill_scalar_gaps,
-    optimisable,
-    restore_untrained,
-    strong_as_recorded,
-    strong_scalars,
-    traced_state_record,
-    trainable,
+from ._leaves import (
+    differentiated,
+    inner_params,
+    updates_for_inner,
+    updates_for_params,
 )
+from ._records import check_state_structure, strong_as_recorded, traced_state_record
+from ._static import Configured, config_key
+from ._tree import check_updates_fit_params, describe_value
 
 
 class _SkipWhen(Configured):
@@ -45,7 +41,7 @@ class _SkipWhen(Configured):
         self._key = config_key(inner, flag)
 
     def init(self, params: optax.Params) -> optax.OptState:
-        params = strong_scalars(optimisable(params))
+        params = inner_params(params)
         traced_state_record(self.inner.init, params, self._structures, is_params=True)
         return self.inner.init(params)
 
@@ -57,28 +53,27 @@ class _SkipWhen(Configured):
         **extra_args: Any,
     ) -> tuple[optax.Updates, optax.OptState]:
         skip = self._skip(extra_args)
-        kept = None if params is None else optimisable(params)
-        check_updates_fit_params(updates, kept, "skip_when.update")
-        filled = fill_scalar_gaps(updates, params)
-        inner_params = None if kept is None else strong_scalars(kept)
+        check_updates_fit_params(updates, params, "skip_when.update")
+        filled = updates_for_inner(updates, params)
+        given_params = None if params is None else inner_params(params)
         # What init built the state from: the params where given (then a
         # state that does not fit is the state's fault, not the updates').
         record = self._check_state(
             state,
-            filled if kept is None else inner_params,
+            filled if given_params is None else given_params,
             "skip_when.update",
             "state",
-            is_params=kept is not None,
+            is_params=given_params is not None,
         )
 
         def inner_update(grads, inner_state):
-            return self.inner.update(grads, inner_state, inner_params, **extra_args)
+            return self.inner.update(grads, inner_state, given_params, **extra_args)
 
         new_updates, new_state, _ = update_if(
             jnp.logical_not(skip), inner_update, filled, state
         )
         new_state = strong_as_recorded(new_state, record)
-        return restore_untrained(updates, new_updates, params), new_state
+        return updates_for_params(updates, new_updates, params), new_state
 
     def _apply_gradients(
         self,
@@ -90,16 +85,15 @@ class _SkipWhen(Configured):
         """`update` and applying it to `params`, fused: a skipped step
         returns `params` as they came in (see `optax_ext.apply_gradients`)."""
         skip = self._skip(extra_args)
-        kept = optimisable(params)
-        check_updates_fit_params(grads, kept, "optax_ext.apply_gradients")
+        check_updates_fit_params(grads, params, "optax_ext.apply_gradients")
         record = self._check_state(
             state,
-            strong_scalars(kept),
+            inner_params(params),
             "optax_ext.apply_gradients",
             "opt_state",
             is_params=True,
         )
-        arrays = trainable(params)
+        arrays = differentiated(params)
 
         def inner_apply(grads, inner_state, arrays):
             return apply_gradients(
@@ -116,7 +110,7 @@ class _SkipWhen(Configured):
         self, state: Any, template: Any, who: str, state_name: str, *, is_params: bool
     ) -> Any:
         """Checks `state` against what `inner.init` builds from params like
-        `template`; returns the record for `_tree.strong_as_recorded`."""
+        `template`; returns the record for `_records.strong_as_recorded`."""
         return check_state_structure(
             self.inner.init,
             state,

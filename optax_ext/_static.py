@@ -21,7 +21,7 @@ import jax.core
 import numpy as np
 import optax
 
-from ._tree import is_typed_key
+from ._leaves import is_typed_key
 
 
 class _ByIdentity(Exception):

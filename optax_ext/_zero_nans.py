@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._tree import is_typed_key
+from ._leaves import is_typed_key
 
 
 def _found_nan(update: jax.Array) -> jax.Array:
