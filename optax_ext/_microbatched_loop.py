@@ -179,6 +179,38 @@ def _kind_and_dtype(
     )
 
 
+def _plan_outputs(
+    out_shape: PyTree, settings: LoopSettings, rows: int
+) -> tuple[list[str], list[Any], list[Any], Any, PyTree]:
+    """From `grad_fn`'s output on one micro-batch (its shapes): per combined
+    leaf its kind and accumulator dtype, and its struct; their structure;
+    and the rest of the output, as it comes back."""
+    is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    combined = lambda x: is_struct(x) and not is_float0(x)  # noqa: E731
+    shapes, static = eqx.partition(out_shape, combined, is_leaf=is_struct)
+    # A float0 gradient (of an integer input) comes back as the NumPy array
+    # of its shape that jax.grad returns.
+    static = jax.tree.map(
+        lambda x: np.zeros(x.shape, x.dtype) if is_struct(x) else x,
+        static,
+        is_leaf=is_struct,
+    )
+    flat_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    flags = _per_example_flags(settings.per_example, out_shape, shapes)
+    kinds, acc_dtypes = [], []
+    for (path, s), per_example in zip(flat_shapes, flags, strict=True):
+        kind, dtype = _kind_and_dtype(
+            s,
+            per_example,
+            rows,
+            settings.accumulator_dtype,
+            jax.tree_util.keystr(path),
+        )
+        kinds.append(kind)
+        acc_dtypes.append(dtype)
+    return kinds, acc_dtypes, [s for _, s in flat_shapes], treedef, static
+
+
 def _rows_accumulator(struct: Any, k: int, dtype: Any) -> jax.Array:
     """Zeros for a per-example output's `k` micro-batches, `(rows, k, ...)`:
     where the output's type is sharded (`Explicit` axes), its rows keep
@@ -285,42 +317,20 @@ def accumulate(
         return _check_weight(settings.weight_fn(*call_args, **call_kwargs))
 
     out_shape = eqx.filter_eval_shape(call, jnp.zeros((), jnp.int32))
-    is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
-    combined = lambda x: is_struct(x) and not is_float0(x)  # noqa: E731
-    shapes, static = eqx.partition(out_shape, combined, is_leaf=is_struct)
-    # A float0 gradient (of an integer input) comes back as the NumPy array
-    # of its shape that jax.grad returns.
-    static = jax.tree.map(
-        lambda x: np.zeros(x.shape, x.dtype) if is_struct(x) else x,
-        static,
-        is_leaf=is_struct,
+    kinds, acc_dtypes, structs, treedef, static = _plan_outputs(
+        out_shape, settings, rows=size // k
     )
-    flat_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    structs = [s for _, s in flat_shapes]
-    flags = _per_example_flags(settings.per_example, out_shape, shapes)
-    kinds, acc_dtypes = [], []
-    for (path, s), per_example in zip(flat_shapes, flags, strict=True):
-        kind, dtype = _kind_and_dtype(
-            s,
-            per_example,
-            size // k,
-            settings.accumulator_dtype,
-            jax.tree_util.keystr(path),
-        )
-        kinds.append(kind)
-        acc_dtypes.append(dtype)
-
     weighted = settings.weight_fn is not None
     weights_dtype = weight_dtype(
         [d for d, kind in zip(acc_dtypes, kinds, strict=True) if kind == "mean"]
     )
 
     def body(j: jax.Array, carry: tuple) -> tuple:
-        acc, total = carry
+        acc, weight_sum = carry
         terms = None
         if weighted:
             w = weight_of(j).astype(weights_dtype)
-            total, terms = weighted_fold_terms(total, w)
+            weight_sum, terms = weighted_fold_terms(weight_sum, w)
         outs = jax.tree.leaves(eqx.filter(call(j), is_combined))
         if len(outs) != len(acc):
             raise ValueError(
@@ -332,8 +342,8 @@ def accumulate(
             value = _fold_output(kind, j, out, a, terms)
             new.append(value if axis_name is None else _match_varying(value, a))
         if axis_name is not None and weighted:
-            total = _match_varying(total, carry[1])
-        return new, total
+            weight_sum = _match_varying(weight_sum, carry[1])
+        return new, weight_sum
 
     init = []
     for s, dtype, kind in zip(structs, acc_dtypes, kinds, strict=True):
@@ -344,9 +354,9 @@ def accumulate(
             # sharded over `Explicit` axes): a sharded accumulator.
             zero = zeros_like_struct(s, dtype)
         init.append(zero if axis_name is None else pcast_varying(zero, axis_name))
-    total = jnp.zeros((), weights_dtype)
+    weight_sum = jnp.zeros((), weights_dtype)
     if axis_name is not None and weighted:
-        total = pcast_varying(total, axis_name)
+        weight_sum = pcast_varying(weight_sum, axis_name)
     bound = _loop_bound(settings.num_real_microbatches, k)
-    acc, total = lax.fori_loop(0, bound, body, (init, total))
-    return Looped(kinds, acc, total, structs, treedef, static)
+    acc, weight_sum = lax.fori_loop(0, bound, body, (init, weight_sum))
+    return Looped(kinds, acc, weight_sum, structs, treedef, static)
