@@ -438,8 +438,9 @@ def test_float8_outputs_accumulate_in_a_dtype_holding_them(accumulator_dtype):
 
 
 def test_accumulator_dtype_holding_no_output_names_microbatched():
-    """float8_e5m2 holds no float8_e4m3fn value range and vice versa: the
-    error names microbatched's argument, the output's path and both dtypes."""
+    """Neither float8_e5m2 nor float8_e4m3fn holds every value of the other:
+    the error names microbatched's argument, the output's path and both
+    dtypes."""
 
     def grad_fn(params, batch):
         return {"g": (params * batch[0]).astype(jnp.float8_e4m3fn)}
