@@ -132,7 +132,7 @@ def _run_inner(
         inner_state,
         clear_grads=True,
         carry=carry,
-        index_by_live=True,
+        pred_from_state=True,
     )
 
 

@@ -15,7 +15,7 @@ from _helpers import hlo_computations, xla_cpu_only
 from jax import lax
 
 import optax_ext
-from optax_ext import _conditional
+from optax_ext import _dataflow
 from optax_ext._conditional import DISTINCT_ZEROS_MIN_SIZE
 
 COMPILED = xla_cpu_only(
@@ -165,7 +165,7 @@ def test_only_state_read_before_its_write_gets_a_dependency():
             return updates, (s if passthrough else new)
 
         closed, (shapes, _) = jax.make_jaxpr(step, return_shape=True)(GRADS, state)
-        return _conditional._updates_reading_old_state(
+        return _dataflow.state_read_by_updates(
             closed.jaxpr,
             n_grads=len(jax.tree.leaves(GRADS)),
             n_updates=len(jax.tree.leaves(shapes)),
@@ -182,7 +182,7 @@ def test_only_state_read_before_its_write_gets_a_dependency():
     # Its state is the inner state: skip_when adds no leaf.
     # Lion's new `mu` is ordered after its updates by the skip_when already
     # (a data dependency on them): nothing is added outside. The ordering's
-    # own conditional (the token) is indexed by `live`, which tests one
+    # own conditional (the token) is indexed by `traced_pred`, which tests one
     # element of the first state leaf: read before either branch runs, that
     # orders nothing, whether the leaf is a count or SGD's momentum trace.
     assert readers(_skipping(optax.lion(1e-4))) == [()] * (1 + n)
@@ -231,7 +231,7 @@ def test_analysis_looks_into_calls(call):
         closed, (shapes, _) = jax.make_jaxpr(
             lambda g, s: tx.update(g, s, PARAMS), return_shape=True
         )(GRADS, state)
-        return _conditional._updates_reading_old_state(
+        return _dataflow.state_read_by_updates(
             closed.jaxpr, n_grads=len(PARAMS), n_updates=len(jax.tree.leaves(shapes))
         )
 
@@ -335,9 +335,7 @@ def test_outputs_reading_grads():
     def outputs(tx):
         state = tx.init(PARAMS)
         closed = jax.make_jaxpr(lambda g, s: tx.update(g, s, PARAMS))(GRADS, state)
-        return _conditional._outputs_reading_grads(
-            closed.jaxpr, n_grads=len(jax.tree.leaves(GRADS))
-        )
+        return _dataflow.grad_readers(closed.jaxpr, n_grads=len(jax.tree.leaves(GRADS)))
 
     n = len(PARAMS)
     # adam: n updates, then count, mu (n), nu (n); the updates are computed
@@ -475,7 +473,7 @@ def test_skip_when_flag_known_at_trace_time_leaves_no_conditional(flag):
 def test_skip_when_under_vmap_with_a_shared_flag_keeps_its_conditional():
     """vmap over a batch of models (params, state and grads batched) with
     one skip flag for the whole batch: the conditional stays one, so a
-    skipped step runs no inner update. (Indexed by `live`, which tests an
+    skipped step runs no inner update. (Indexed by `traced_pred`, which tests an
     element of the batched state, it became a select that ran both
     branches.)"""
     tx = optax_ext.skip_when(optax.adam(1e-3))

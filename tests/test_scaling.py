@@ -311,7 +311,7 @@ def test_compositions_read_as_the_bare_optimizer(name):
     Adafactor reads) is copied, not ordered after every update leaf (2 per
     leaf). Lion's clear reads the new `mu`, which is ordered after the
     updates already (3 per leaf when it read both). Besides those, each
-    conditional reads one element of an input (`_runtime_true`)."""
+    conditional reads one element of an input (`_ordering.opaque_true`)."""
     make, per_leaf = READS_PER_LEAF[name]
     n = 24
     extra = {"skip": jnp.asarray(False)} if "skip_when" in name else {}
