@@ -20,6 +20,7 @@ from jax.extend import core as jex_core
 from jaxtyping import PyTree
 
 from ._dataflow import grad_readers, state_read_by_updates
+from ._leaves import is_typed_key
 from ._ordering import (
     bit_width,
     opaque_true,
@@ -36,7 +37,7 @@ from ._sharding import (
     varying_axes,
     zeros_like_struct,
 )
-from ._tree import cast_like, check_same_shapes, is_typed_key
+from ._tree import cast_like, check_same_shapes
 
 
 def update_if(

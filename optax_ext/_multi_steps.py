@@ -22,6 +22,14 @@ import optax
 from jax import lax
 from jaxtyping import Array, Bool, PyTree
 
+from ._accumulation import (
+    as_gradient_dtype,
+    check_accumulator_dtype,
+    fold,
+    fold_weighted,
+    weight_dtype,
+    zero_accumulator,
+)
 from ._apply import (
     check_transformation,
     merge_trainable,
@@ -30,7 +38,6 @@ from ._apply import (
 from ._devices import device_state
 from ._leaves import accumulated, restore_none
 from ._multi_steps_checks import (
-    acc_dtype,
     check_skip_fn,
     check_step,
     skip_decision,
@@ -40,16 +47,11 @@ from ._records import strong_as_recorded, traced_state_record
 from ._sharding import mirror_param_sharding
 from ._static import Configured, config_key
 from ._tree import (
-    check_accumulator_dtype,
     saturating_increment,
-    widen,
-    work_dtype,
 )
 from ._weighted import (
     WeightedMultiStepsState,
     check_weighted,
-    fold_weighted,
-    weight_dtype,
     window_weights,
 )
 from ._window import run_window
@@ -64,24 +66,6 @@ def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
     return jnp.logical_and(k > 0, mini_step + 1 >= k)
 
 
-def _fold(g: jax.Array, acc: jax.Array, mini_step: jax.Array, mean: bool) -> jax.Array:
-    """`acc` with the gradient `g` folded in: the running mean (Welford,
-    `acc + (g - acc) / (n + 1)`) or sum; the first mini-step of a window
-    *selects* `g`, so even a buffer holding a NaN (a state saved by
-    optax.MultiSteps, say) starts the window clean. float16 and bfloat16
-    accumulators are updated in float32 and rounded once (`work_dtype`)."""
-    # lax, not jnp: no per-leaf `jit` of jnp's functions to trace and inline.
-    work = work_dtype(acc.dtype)
-    g = widen(jnp.asarray(g), work)
-    old = lax.convert_element_type(acc, work)
-    if mean:
-        count = lax.convert_element_type(mini_step + 1, work)
-        running = lax.add(old, lax.div(lax.sub(g, old), count))
-    else:
-        running = lax.add(old, g)
-    return lax.convert_element_type(lax.select(mini_step == 0, g, running), acc.dtype)
-
-
 def _accumulate(
     grads: PyTree,
     acc: PyTree,
@@ -91,7 +75,7 @@ def _accumulate(
     devices: Any,
     weighted: tuple[jax.Array, jax.Array, jax.Array] | None = None,
 ) -> PyTree:
-    """`acc` with `grads` folded in (`_fold`; `fold_weighted` with its
+    """`acc` with `grads` folded in (`fold`; `fold_weighted` with its
     `(first, nothing, scale)` given as `weighted`), kept where `should_skip`.
     The gradient gets the state's device axis (if any), which the
     accumulator keeps through the `cond`: a reshape of the `cond`'s result
@@ -99,7 +83,7 @@ def _accumulate(
 
     def one(g: jax.Array, a: jax.Array) -> jax.Array:
         if weighted is None:
-            new = _fold(devices.add_axis(g), a, mini_step, mean)
+            new = fold(devices.add_axis(g), a, mini_step, mean)
         else:
             new = fold_weighted(devices.add_axis(g), a, *weighted)
         return new if should_skip is None else lax.select(should_skip, a, new)
@@ -125,25 +109,6 @@ def _next_counters(
     )
     gradient = jnp.where(emitted, saturating_increment(gradient_step), gradient_step)
     return mini.astype(mini_step.dtype), gradient
-
-
-def _as_gradient(mean: jax.Array, dtype: Any) -> jax.Array:
-    """The window's mean in the gradients' `dtype`. A complex accumulator
-    of real gradients holds a zero imaginary part, dropped by `real` (a
-    complex-to-real cast warns in JAX and is to raise)."""
-    if jnp.iscomplexobj(mean) and not jnp.issubdtype(dtype, jnp.complexfloating):
-        mean = lax.real(mean)
-    return mean.astype(dtype)
-
-
-def _zero_accumulator(params: PyTree, accumulator_dtype: Any) -> PyTree:
-    """Zeros for each params leaf, in its accumulator's dtype (`acc_dtype`)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, p: jnp.zeros(
-            jnp.shape(p), acc_dtype(p, accumulator_dtype, jax.tree_util.keystr(path))
-        ),
-        params,
-    )
 
 
 class MultiSteps(Configured):
@@ -267,7 +232,7 @@ class MultiSteps(Configured):
         """
         params = accumulated(params)
         self._devices.check_bound("init")
-        acc_grads = _zero_accumulator(params, self._accumulator_dtype)
+        acc_grads = zero_accumulator(params, self._accumulator_dtype)
         inner_state = self._opt.init(params)
         traced_state_record(
             self._opt.init, params, self._inner_structures, is_params=True
@@ -406,7 +371,9 @@ class MultiSteps(Configured):
             inner=self._opt,
             fusable_inner=self._fusable_inner,
             devices=self._devices,
-            as_gradients=lambda mean: jax.tree.map(_as_gradient, mean, grad_dtypes),
+            as_gradients=lambda mean: jax.tree.map(
+                as_gradient_dtype, mean, grad_dtypes
+            ),
             fused=fused,
         )
         result = (

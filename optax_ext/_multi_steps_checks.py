@@ -1,8 +1,8 @@
 """`check_step` runs every check of a `MultiSteps` step's inputs, once, at
 its entry. What `MultiSteps` checks of its arguments and inputs, each with an
 error that names the argument, what was passed and what is expected: the
-window length, the accumulator's dtype for each params leaf, the state,
-the skip function's output, and the gradients against the accumulator.
+window length, the state, the skip function's output, and the gradients
+against the accumulator (whose dtype rule is `_accumulation`'s).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from jaxtyping import PyTree
 
+from ._accumulation import PROMOTION_ERROR, holds, least_holding
 from ._devices import SingleDeviceState
 from ._leaves import accumulated, zeros_where_undifferentiated
 from ._records import check_state_structure
@@ -160,50 +161,6 @@ def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
     return jnp.asarray(k)
 
 
-# Raised by JAX for dtypes it does not promote together (float8 with
-# float32). Public as `jax.dtypes.TypePromotionError` from jax 0.10; before,
-# only its base class is: catching that is as narrow here, where the calls
-# in each `try` can raise nothing else.
-PROMOTION_ERROR: type[Exception] = getattr(jax.dtypes, "TypePromotionError", ValueError)
-
-
-def holds(wide: Any, narrow: Any) -> bool:
-    """Whether every value of dtype `narrow` is a value of dtype `wide` (as
-    JAX promotes: integers count as held by floats). For the dtypes JAX does
-    not promote together (float8 with float32, say) the formats are
-    compared."""
-    try:
-        return jnp.promote_types(narrow, wide) == wide
-    except PROMOTION_ERROR:
-        pass
-    if not (jnp.issubdtype(wide, jnp.inexact) and jnp.issubdtype(narrow, jnp.inexact)):
-        return False
-    if jnp.issubdtype(narrow, jnp.complexfloating) and not jnp.issubdtype(
-        wide, jnp.complexfloating
-    ):
-        return False
-    w, n = jnp.finfo(wide), jnp.finfo(narrow)
-    return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
-
-
-def promote(dtype: Any, accumulator_dtype: Any, path: str) -> Any:
-    """The least dtype holding both, or an error naming `accumulator_dtype`."""
-    try:
-        return jnp.promote_types(dtype, accumulator_dtype)
-    except PROMOTION_ERROR:
-        pass
-    if holds(accumulator_dtype, dtype):
-        return jnp.dtype(accumulator_dtype)
-    if holds(dtype, accumulator_dtype):
-        return jnp.dtype(dtype)
-    raise TypeError(
-        f"MultiSteps(accumulator_dtype={jnp.dtype(accumulator_dtype)}) cannot "
-        f"accumulate the params at {path or 'the root'} of dtype {jnp.dtype(dtype)}: "
-        "neither dtype holds every value of the other. Pass an accumulator_dtype "
-        "that holds both (e.g. jnp.float32 for float8 params)."
-    )
-
-
 def check_state(state: Any, method: str) -> None:
     """Raises a `TypeError` unless `state` is a `MultiStepsState`-like value
     with scalar integer counters."""
@@ -332,10 +289,8 @@ def check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None:
         if held:
             continue
         where = jax.tree_util.keystr(path)
-        try:
-            wide = f"jnp.{promote(g_dtype, a.dtype, where)}"
-        except TypeError:
-            wide = f"a dtype holding {g_dtype}"
+        least = least_holding(g_dtype, a.dtype)
+        wide = f"a dtype holding {g_dtype}" if least is None else f"jnp.{least}"
         raise TypeError(
             f"MultiSteps: the gradient at {where or 'the root'} has dtype "
             f"{g_dtype}, but the accumulator for it in the state "
@@ -348,19 +303,3 @@ def check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None:
             f"accumulator_dtype={wide} and init it again, or pass gradients "
             f"of dtype {a.dtype}."
         )
-
-
-def acc_dtype(param: Any, acc: Any, path: str) -> Any:
-    """The accumulator's dtype for a params leaf: the least dtype holding
-    the leaf's dtype and `accumulator_dtype` (a Python number counts as
-    weakly typed, as in JAX's promotion), the leaf's own with `None`;
-    `accumulator_dtype` (float32 with `None`) for integer leaves."""
-    dtype = jnp.result_type(param)
-    if jnp.issubdtype(dtype, jnp.integer):
-        return jnp.dtype(jnp.float32) if acc is None else acc
-    if acc is None:
-        return dtype
-    try:
-        return jnp.result_type(param, acc)
-    except PROMOTION_ERROR:
-        return promote(dtype, acc, path)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import PyTree
 
+from ._leaves import is_typed_key
 from ._sharding import (
     cast_varying,
     element_readable,
@@ -27,7 +28,7 @@ from ._sharding import (
     surely_replicated,
     varying_axes,
 )
-from ._tree import cast_like, is_typed_key
+from ._tree import cast_like
 
 # How many reads a token tests in one vector (one kernel on XLA:CPU).
 _READS_PER_KERNEL = 8

@@ -126,25 +126,6 @@ def saturating_increment(x: jax.Array) -> jax.Array:
     return jnp.where(x < top, x + 1, jnp.asarray(top, x.dtype)).astype(x.dtype)
 
 
-def widen(x: jax.Array, dtype: Any) -> jax.Array:
-    """`x` converted to `dtype` (an accumulator's: the same or wider); a
-    bfloat16 `x` widened holds exactly a bfloat16 value. Where XLA fuses
-    the computation of a bfloat16 `x` into the loop that widens it, it may
-    skip the rounding to bfloat16 (its default `xla_allow_excess_precision`),
-    so the same gradients would fold to other bits depending on what the
-    caller computes in the same step; the `reduce_precision` to bfloat16
-    (which XLA keeps, and which rounds as the conversion does) makes them
-    the same. float16 is left alone: XLA's `reduce_precision` flushes its
-    subnormals, which the conversion keeps."""
-    if x.dtype != jnp.bfloat16 or jnp.dtype(dtype) == x.dtype:
-        return lax.convert_element_type(x, dtype)
-    fi = jnp.finfo(jnp.bfloat16)
-    exact = lax.reduce_precision(
-        lax.convert_element_type(x, jnp.float32), fi.nexp, fi.nmant
-    )
-    return lax.convert_element_type(exact, dtype)  # float32 widens exactly
-
-
 def is_weak(x: Any) -> bool:
     return bool(getattr(x, "weak_type", False))
 
@@ -234,29 +215,6 @@ def describe_value(value: Any) -> str:
     return f"{text} (a {type(value).__name__})"
 
 
-# alias for branches in flight; removed at merge
-from ._leaves import is_typed_key as is_typed_key  # noqa: E402
-
-
-def check_accumulator_dtype(accumulator_dtype: Any, *, complex_ok: bool) -> Any:
-    """`accumulator_dtype` as a canonical dtype (or `None`); a `TypeError`
-    naming it unless it is floating (or complex, with `complex_ok`)."""
-    if accumulator_dtype is None:
-        return None
-    try:
-        dtype = jnp.dtype(accumulator_dtype)
-    except TypeError:
-        dtype = None
-    kind = jnp.inexact if complex_ok else jnp.floating
-    if dtype is None or not jnp.issubdtype(dtype, kind):
-        what = "a floating or complex dtype" if complex_ok else "a floating dtype"
-        raise TypeError(
-            f"accumulator_dtype must be {what} (jnp.float32, the default, or "
-            f"wider) or None, got {accumulator_dtype!r}."
-        )
-    return jax.dtypes.canonicalize_dtype(dtype)
-
-
 def as_index(value: Any) -> int | None:
     """`value` as a Python int if it is an integer (`int`, a NumPy or JAX
     integer scalar), not a bool; `None` otherwise."""
@@ -266,13 +224,3 @@ def as_index(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
-
-
-def work_dtype(acc_dtype: Any) -> Any:
-    """The dtype a mini-step's running mean is computed in: float32 for
-    floating accumulators narrower than it (float16, bfloat16, float8), where
-    `g - acc` would overflow (the mean of 6e4 and -6e4 in float16) and every
-    operation would round; the accumulator's own dtype otherwise."""
-    if jnp.issubdtype(acc_dtype, jnp.floating) and jnp.finfo(acc_dtype).bits < 32:
-        return jnp.dtype(jnp.float32)
-    return acc_dtype

@@ -1,8 +1,8 @@
 """`MultiSteps(..., weighted=True)`: its state, the `weight=` of a
-mini-step, and the weighted running mean. Each mini-step's gradient is
+mini-step, and the window's running weight. Each mini-step's gradient is
 folded with its weight `w` as `acc + (g - acc) / (W / w)`, `W` the window's
-running weight; a weight-0 mini-step is not read (`docs/multi_steps.md`,
-"Uneven micro-batches").
+running weight (`_accumulation.fold_weighted`); a weight-0 mini-step is not
+read (`docs/multi_steps.md`, "Uneven micro-batches").
 """
 
 from __future__ import annotations
@@ -13,13 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jaxtyping import PyTree
 
-from ._tree import (
-    describe_value,
-    widen,
-    work_dtype,
-)
+from ._accumulation import weighted_fold_terms
+from ._tree import describe_value
 
 
 class WeightedMultiStepsState(NamedTuple):
@@ -42,15 +38,6 @@ class WeightedMultiStepsState(NamedTuple):
 
 
 NO_WEIGHT = object()
-
-
-def weight_dtype(acc: PyTree) -> Any:
-    """float32, or float64 where an accumulator works in float64 or
-    complex128: the ratio of weights divides gradients in that dtype."""
-    for a in jax.tree.leaves(acc):
-        if jnp.finfo(work_dtype(jnp.result_type(a))).bits == 64:  # complex128 too
-            return jnp.dtype(jnp.float64)
-    return jnp.dtype(jnp.float32)
 
 
 def check_weight(weight: Any, weighted: bool, method: str) -> Any:
@@ -102,27 +89,6 @@ def check_weight(weight: Any, weighted: bool, method: str) -> Any:
             "number of non-padding tokens)."
         )
     return weight
-
-
-def fold_weighted(
-    g: jax.Array,
-    acc: jax.Array,
-    first: jax.Array,
-    nothing: jax.Array,
-    scale: jax.Array,
-) -> jax.Array:
-    """`acc` with `g` folded in at weight `w`: the weighted running mean
-    `acc + (g - acc) / (W / w)`, `W` the window's weight with `w`; `g` is
-    *selected* where nothing came before (`first`), and `acc` kept where
-    `w == 0` (`nothing`), so a weight-0 gradient, even a NaN one, leaves no
-    trace."""
-    work = work_dtype(acc.dtype)
-    g = widen(jnp.asarray(g), work)
-    old = lax.convert_element_type(acc, work)
-    scale = lax.broadcast_in_dim(lax.convert_element_type(scale, work), old.shape, ())
-    running = lax.add(old, lax.div(lax.sub(g, old), scale))
-    new = lax.convert_element_type(lax.select(first, g, running), acc.dtype)
-    return lax.select(nothing, acc, new)
 
 
 def check_weighted(weighted: Any, use_grad_mean: Any) -> bool:
@@ -181,9 +147,8 @@ class Weights(NamedTuple):
 
 def window_weights(acc_weight: jax.Array, weight: Any, mini_step: jax.Array) -> Weights:
     """The running weight after adding `weight`, and how `fold_weighted`
-    folds it in. A window's first mini-step starts from 0, whatever the
-    state holds. `W / w` is computed with `w` replaced by 1 where it is 0
-    (it is then not used), so no step makes a NaN or `inf`."""
+    folds it in (`weighted_fold_terms`). A window's first mini-step starts
+    from 0, whatever the state holds."""
     stored = acc_weight if jnp.ndim(acc_weight) == 0 else acc_weight[0]
     dtype = stored.dtype
     if not isinstance(weight, jax.Array):  # a Python or NumPy number: in
@@ -191,7 +156,5 @@ def window_weights(acc_weight: jax.Array, weight: Any, mini_step: jax.Array) -> 
         weight = np.asarray(weight).astype(dtype)
     w = lax.convert_element_type(weight, dtype)
     before = jnp.where(mini_step == 0, jnp.zeros((), dtype), stored)
-    total = before + w
-    nothing = w == 0
-    scale = total / jnp.where(nothing, jnp.ones((), dtype), w)
-    return Weights(stored, total, (before == 0, nothing, scale))
+    total, folding = weighted_fold_terms(before, w)
+    return Weights(stored, total, folding)

@@ -170,9 +170,7 @@ def test_integer_and_bool_aux_combine_over_the_whole_batch():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_gradients_accumulate_in_float32(dtype):
     """bfloat16/float16 gradients come back in their dtype, within one
-    rounding of the float64 mean of the micro-batches' gradients; with
-    accumulation in their own dtype (`accumulator_dtype=None`) they drift
-    further from it."""
+    rounding of the float64 mean of the micro-batches' gradients."""
     k = 16
     params, batch = _params(dtype), _data(n=16 * k, dtype=dtype)
     grad_fn = jax.grad(loss)
@@ -273,22 +271,29 @@ def test_batch_at_other_positions_and_several_arguments():
         _close(got[name], want[name])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_adam_step_equals_multi_steps_on_the_same_microbatches(dtype):
+@pytest.mark.parametrize(
+    "dtype, accumulator_dtype",
+    [("float32", jnp.float32), ("bfloat16", jnp.float32), ("bfloat16", None)],
+)
+def test_adam_step_equals_multi_steps_on_the_same_microbatches(
+    dtype, accumulator_dtype
+):
     """`microbatched(grad, k)` then adam gives the update `MultiSteps(adam, k)`
     emits after the k micro-batches `batch[j::k]`, bit for bit (same running
-    mean, same float32 accumulator); and both are adam on the whole batch's
+    mean, same accumulator: float32, or bfloat16 updated in float32 and
+    rounded once per micro-batch); and both are adam on the whole batch's
     gradient (float64, rounded to float32 once)."""
     params, batch = _params(dtype), _data(n=N, dtype=dtype)
     adam = optax.adam(1e-2)
     grad_fn = jax.grad(loss)
+    acc = {"accumulator_dtype": accumulator_dtype}
 
     @jax.jit
     def in_step(params, adam_state, batch):
-        grads = optax_ext.microbatched(grad_fn, K)(params, batch)
+        grads = optax_ext.microbatched(grad_fn, K, **acc)(params, batch)
         return adam.update(grads, adam_state, params)[0]
 
-    opt = optax_ext.MultiSteps(adam, K)
+    opt = optax_ext.MultiSteps(adam, K, **acc)
 
     @jax.jit
     def mini_step(params, state, micro):
@@ -397,14 +402,56 @@ def test_bad_calls_name_what_was_passed():
         keyed(_params(), _data(), jnp.zeros(2))
 
 
-def test_narrower_accumulator_is_refused():
-    """A bfloat16 accumulator for float32 gradients would round every
-    micro-batch's contribution: an error, not a silent narrowing."""
-    fn = optax_ext.microbatched(jax.grad(loss), K, accumulator_dtype=jnp.bfloat16)
+@pytest.mark.parametrize("name", ["grad", "value_and_grad_aux"])
+def test_narrower_accumulator_dtype_keeps_each_output_in_its_own(name):
+    """`accumulator_dtype` is the least dtype to accumulate in, as in
+    MultiSteps: bfloat16 with float32 outputs accumulates them in float32
+    (it raised before). Against the float64 whole batch: accumulated in
+    bfloat16 they would be ~1e-3 off, not within float32 roundings."""
+    grad_fn, make, _ = GRAD_FNS[name]
+    params, batch = make(), _data()
+    fn = optax_ext.microbatched(grad_fn, K, accumulator_dtype=jnp.bfloat16)
+    got = jax.jit(fn)(params, batch)
+    with jax.enable_x64(True):
+        want = grad_fn(_f64(params), _f64(batch))
+        want_leaves = [np.asarray(x) for x in jax.tree.leaves(want)]
+    for g, w in zip(jax.tree.leaves(got), want_leaves, strict=True):
+        if w.dtype == np.float64:
+            assert g.dtype == jnp.float32
+            _close(g, w)
+
+
+@pytest.mark.parametrize("accumulator_dtype", [jnp.float32, jnp.float8_e4m3fn])
+def test_float8_outputs_accumulate_in_a_dtype_holding_them(accumulator_dtype):
+    """float8 outputs with the float32 default (a raw TypePromotionError
+    before) or their own dtype: the mean of float8 values whose float64
+    mean is a float8 value comes back exactly."""
+    values = np.array([1.0, 2.0, 3.0, 6.0])  # one row per micro-batch; mean 3
+
+    def grad_fn(params, batch):
+        return {"g": (params * batch[0]).astype(jnp.float8_e4m3fn)}
+
+    fn = optax_ext.microbatched(grad_fn, 4, accumulator_dtype=accumulator_dtype)
+    got = jax.jit(fn)(jnp.float32(1.0), jnp.asarray(values, jnp.float32))
+    assert got["g"].dtype == jnp.float8_e4m3fn
+    assert float(got["g"].astype(jnp.float32)) == float(np.mean(values))
+
+
+def test_accumulator_dtype_holding_no_output_names_microbatched():
+    """Neither float8_e5m2 nor float8_e4m3fn holds every value of the other:
+    the error names microbatched's argument, the output's path and both
+    dtypes."""
+
+    def grad_fn(params, batch):
+        return {"g": (params * batch[0]).astype(jnp.float8_e4m3fn)}
+
+    fn = optax_ext.microbatched(grad_fn, 4, accumulator_dtype=jnp.float8_e5m2)
     with pytest.raises(
-        ValueError, match=r"accumulator_dtype=bfloat16.*\['b'\].*float32"
+        TypeError,
+        match=r"microbatched\(accumulator_dtype=float8_e5m2\) cannot accumulate "
+        r"grad_fn's output at \['g'\] of dtype float8_e4m3fn",
     ):
-        fn(_params(), _data())
+        fn(jnp.float32(1.0), jnp.ones(4))
 
 
 @pytest.fixture(scope="module")

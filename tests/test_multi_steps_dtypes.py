@@ -71,7 +71,7 @@ def test_complex_params_accumulate_in_complex64_by_default():
 @pytest.mark.parametrize("jit", [False, True])
 def test_bfloat16_gradients_into_a_complex64_accumulator(jit):
     """bfloat16 gradients are rounded as bfloat16 before they are widened
-    (`_tree.widen`), and widened to any accumulator: here complex64, where
+    (`_accumulation.widen`), and widened to any accumulator: here complex64, where
     the rounding must not be applied to the complex value (XLA has no
     complex `reduce_precision`). The window's mean goes back to the real
     gradients' dtype by its real part, not by a complex-to-real cast (which

@@ -28,7 +28,7 @@ LAYOUTS = {
     "300 leaves": {f"w{i:03d}": jnp.zeros((16, 24)) for i in range(300)},
     # Large and of one shape: each must get zeros of its own, not a copy.
     "3 large leaves": {f"w{i}": jnp.zeros((256, 256)) for i in range(3)},
-    # bfloat16 gradients are rounded (`_tree.widen`) inside the same loop
+    # bfloat16 gradients are rounded (`_accumulation.widen`) inside the same loop
     # that folds them into the float32 accumulator.
     "4 bfloat16 leaves": {
         f"w{i}": jnp.zeros((32 * (i + 1), 48), jnp.bfloat16) for i in range(4)

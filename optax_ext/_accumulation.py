@@ -1,0 +1,224 @@
+"""The arithmetic of gradient accumulation, shared by the in-step form
+(`microbatched`) and the across-steps one (`MultiSteps`): the dtype a leaf
+accumulates in (`accumulator_dtype_for`), the running mean or sum (`fold`),
+the weighted running mean (`weighted_fold_terms`, `fold_weighted`), and the
+float32 working dtype of narrow floats (`work_dtype`, `widen`). On the same
+micro-batches the two forms give the same bits because they call these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import PyTree
+
+# Raised by JAX for dtypes it does not promote together (float8 with
+# float32). Public as `jax.dtypes.TypePromotionError` from jax 0.10; before,
+# only its base class is: catching that is as narrow here, where the calls
+# in each `try` can raise nothing else.
+PROMOTION_ERROR: type[Exception] = getattr(jax.dtypes, "TypePromotionError", ValueError)
+
+
+def check_accumulator_dtype(accumulator_dtype: Any, *, complex_ok: bool) -> Any:
+    """`accumulator_dtype` as a canonical dtype (or `None`); a `TypeError`
+    naming it unless it is floating (or complex, with `complex_ok`)."""
+    if accumulator_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(accumulator_dtype)
+    except TypeError:
+        dtype = None
+    kind = jnp.inexact if complex_ok else jnp.floating
+    if dtype is None or not jnp.issubdtype(dtype, kind):
+        what = "a floating or complex dtype" if complex_ok else "a floating dtype"
+        raise TypeError(
+            f"accumulator_dtype must be {what} (jnp.float32, the default, or "
+            f"wider) or None, got {accumulator_dtype!r}."
+        )
+    return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def holds(wide: Any, narrow: Any) -> bool:
+    """Whether every value of dtype `narrow` is a value of dtype `wide` (as
+    JAX promotes: integers count as held by floats). For the dtypes JAX does
+    not promote together (float8 with float32, say) the formats are
+    compared."""
+    try:
+        return jnp.promote_types(narrow, wide) == wide
+    except PROMOTION_ERROR:
+        pass
+    if not (jnp.issubdtype(wide, jnp.inexact) and jnp.issubdtype(narrow, jnp.inexact)):
+        return False
+    if jnp.issubdtype(narrow, jnp.complexfloating) and not jnp.issubdtype(
+        wide, jnp.complexfloating
+    ):
+        return False
+    w, n = jnp.finfo(wide), jnp.finfo(narrow)
+    return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
+
+
+def least_holding(dtype: Any, other: Any) -> Any:
+    """The least dtype holding every value of both; `None` where JAX does
+    not promote them and neither holds the other."""
+    try:
+        return jnp.promote_types(dtype, other)
+    except PROMOTION_ERROR:
+        pass
+    if holds(other, dtype):
+        return jnp.dtype(other)
+    if holds(dtype, other):
+        return jnp.dtype(dtype)
+    return None
+
+
+def accumulator_dtype_for(
+    leaf: Any, accumulator_dtype: Any, path: str, caller: str, what: str
+) -> Any:
+    """The dtype `leaf` (an array, a Python number or a dtype) accumulates
+    in: `accumulator_dtype` is the least one, so the least dtype holding
+    both (a Python number counts as weakly typed, as in JAX's promotion);
+    the leaf's own with `None`; for an integer leaf `accumulator_dtype`
+    (float32 with `None`). A `TypeError` naming `caller`'s argument where
+    neither dtype holds the other; `what` names the leaf in it."""
+    dtype = jnp.result_type(leaf)
+    if jnp.issubdtype(dtype, jnp.integer):
+        no_choice = accumulator_dtype is None
+        return jnp.dtype(jnp.float32) if no_choice else accumulator_dtype
+    if accumulator_dtype is None:
+        return dtype
+    try:
+        return jnp.result_type(leaf, accumulator_dtype)
+    except PROMOTION_ERROR:
+        pass
+    wide = least_holding(dtype, accumulator_dtype)
+    if wide is None:
+        raise TypeError(
+            f"{caller}(accumulator_dtype={jnp.dtype(accumulator_dtype)}) cannot "
+            f"accumulate {what} at {path or 'the root'} of dtype "
+            f"{jnp.dtype(dtype)}: neither dtype holds every value of the other. "
+            "Pass an accumulator_dtype that holds both (e.g. jnp.float32 for "
+            "float8 values)."
+        )
+    return wide
+
+
+def zero_accumulator(params: PyTree, accumulator_dtype: Any) -> PyTree:
+    """Zeros for each params leaf, in its accumulator's dtype (`MultiSteps`)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p: jnp.zeros(
+            jnp.shape(p),
+            accumulator_dtype_for(
+                p,
+                accumulator_dtype,
+                jax.tree_util.keystr(path),
+                "MultiSteps",
+                "the params",
+            ),
+        ),
+        params,
+    )
+
+
+def work_dtype(acc_dtype: Any) -> Any:
+    """The dtype a mini-step's running mean is computed in: float32 for
+    floating accumulators narrower than it (float16, bfloat16, float8), where
+    `g - acc` would overflow (the mean of 6e4 and -6e4 in float16) and every
+    operation would round; the accumulator's own dtype otherwise."""
+    if jnp.issubdtype(acc_dtype, jnp.floating) and jnp.finfo(acc_dtype).bits < 32:
+        return jnp.dtype(jnp.float32)
+    return acc_dtype
+
+
+def widen(x: jax.Array, dtype: Any) -> jax.Array:
+    """`x` converted to `dtype` (an accumulator's: the same or wider); a
+    bfloat16 `x` widened holds exactly a bfloat16 value. Where XLA fuses
+    the computation of a bfloat16 `x` into the loop that widens it, it may
+    skip the rounding to bfloat16 (its default `xla_allow_excess_precision`),
+    so the same gradients would fold to other bits depending on what the
+    caller computes in the same step; the `reduce_precision` to bfloat16
+    (which XLA keeps, and which rounds as the conversion does) makes them
+    the same. float16 is left alone: XLA's `reduce_precision` flushes its
+    subnormals, which the conversion keeps."""
+    if x.dtype != jnp.bfloat16 or jnp.dtype(dtype) == x.dtype:
+        return lax.convert_element_type(x, dtype)
+    fi = jnp.finfo(jnp.bfloat16)
+    exact = lax.reduce_precision(
+        lax.convert_element_type(x, jnp.float32), fi.nexp, fi.nmant
+    )
+    return lax.convert_element_type(exact, dtype)  # float32 widens exactly
+
+
+def fold(g: jax.Array, acc: jax.Array, index: jax.Array, mean: bool) -> jax.Array:
+    """`acc` with `g` folded in as the `index`-th value (counted from 0): the
+    running mean (Welford, `acc + (g - acc) / (index + 1)`) or the sum. The
+    first value is *selected*, so even a buffer holding a NaN (a state saved
+    by optax.MultiSteps, say) starts clean. float16 and bfloat16
+    accumulators are updated in float32 and rounded once (`work_dtype`)."""
+    # lax, not jnp: no per-leaf `jit` of jnp's functions to trace and inline.
+    work = work_dtype(acc.dtype)
+    g = widen(jnp.asarray(g), work)
+    old = lax.convert_element_type(acc, work)
+    if mean:
+        count = lax.convert_element_type(index + 1, work)
+        running = lax.add(old, lax.div(lax.sub(g, old), count))
+    else:
+        running = lax.add(old, g)
+    return lax.convert_element_type(lax.select(index == 0, g, running), acc.dtype)
+
+
+def weight_dtype(accumulators: PyTree) -> Any:
+    """The dtype of a weighted running mean's weights, for floating
+    accumulators (arrays or dtypes): float32, or float64 where one works in
+    float64 or complex128 (the ratio of weights divides gradients in that
+    dtype)."""
+    for acc in jax.tree.leaves(accumulators):
+        if jnp.finfo(work_dtype(jnp.result_type(acc))).bits == 64:  # complex128 too
+            return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
+
+
+def weighted_fold_terms(
+    before: jax.Array, weight: jax.Array
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """The running weight `W` after adding `weight` to `before` (the weight
+    folded so far), and `fold_weighted`'s `(first, nothing, scale)`: nothing
+    folded before, `weight == 0`, and `W / weight`, computed with the weight
+    replaced by 1 where it is 0 (it is then not used), so no NaN or `inf`."""
+    total = before + weight
+    nothing = weight == 0
+    scale = total / jnp.where(nothing, jnp.ones_like(weight), weight)
+    return total, (before == 0, nothing, scale)
+
+
+def fold_weighted(
+    g: jax.Array,
+    acc: jax.Array,
+    first: jax.Array,
+    nothing: jax.Array,
+    scale: jax.Array,
+) -> jax.Array:
+    """`acc` with `g` folded in at weight `w`: the weighted running mean
+    `acc + (g - acc) / (W / w)`, `W` the running weight with `w`; `g` is
+    *selected* where nothing came before (`first`), and `acc` kept where
+    `w == 0` (`nothing`), so a weight-0 gradient, even a NaN one, leaves no
+    trace."""
+    work = work_dtype(acc.dtype)
+    g = widen(jnp.asarray(g), work)
+    old = lax.convert_element_type(acc, work)
+    scale = lax.broadcast_in_dim(lax.convert_element_type(scale, work), old.shape, ())
+    running = lax.add(old, lax.div(lax.sub(g, old), scale))
+    new = lax.convert_element_type(lax.select(first, g, running), acc.dtype)
+    return lax.select(nothing, acc, new)
+
+
+def as_gradient_dtype(mean: jax.Array, dtype: Any) -> jax.Array:
+    """An accumulated mean (or sum) back in the gradients' `dtype`. A
+    complex accumulator of real gradients holds a zero imaginary part,
+    dropped by `real` (a complex-to-real cast warns in JAX and is to
+    raise)."""
+    if jnp.iscomplexobj(mean) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        mean = lax.real(mean)
+    return mean.astype(dtype)

@@ -1,0 +1,226 @@
+"""Where `microbatched`'s loop runs, and the one reduction across devices
+after it: as it is (one device, or XLA's partitioner with FSDP params), or
+inside a `jax.shard_map` over the batch's mesh axes that this module adds,
+or inside the caller's `shard_map` over `axis_name`. Each device
+accumulates its own rows; the means, sums and weights meet in one
+collective after the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+from jaxtyping import PyTree
+
+from ._accumulation import work_dtype
+from ._microbatched_loop import Looped, LoopSettings, accumulate, is_combined
+from ._sharding import shards_over, typed_sharding
+
+
+def _is_manual(axis_name: Hashable) -> bool:
+    """Whether `axis_name` is bound here as a collective axis: inside
+    `jax.shard_map` over it (or `vmap`/`pmap` with that name)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
+    if mesh.axis_names and all(n in mesh.axis_names for n in names):
+        types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+        return all(types[n] == AxisType.Manual for n in names)
+    try:
+        lax.axis_size(axis_name)
+    except NameError:
+        return False
+    return True
+
+
+def _batch_spec(args: tuple, argnums: tuple[int, ...]) -> tuple[Any, Any]:
+    """The mesh axes the batch's leading dimension is sharded over and the
+    mesh, where that is part of its type (`Explicit` axes); Nones otherwise."""
+    specs = set()
+    mesh = None
+    for i in argnums:
+        for x in jax.tree.leaves(args[i]):
+            sharding = typed_sharding(x)
+            if sharding is None:
+                specs.add(None)
+                continue
+            specs.add(sharding.spec[0])
+            mesh = sharding.mesh
+    if len(specs) != 1:
+        return None, None
+    (spec,) = specs
+    return (None, None) if spec is None else (spec, mesh)
+
+
+def _shards_over_batch_axes(
+    args: tuple, kwargs: dict, argnums: tuple[int, ...], spec: Any
+) -> bool:
+    """Whether an argument other than the batch is split over the batch's
+    mesh axes in its type (FSDP params): then the loop runs under the
+    partitioner, which gathers the params as each micro-batch's forward
+    pass needs them and reduce-scatters its gradients into the sharded
+    accumulator, as for the plain jitted gradient (a `shard_map` over the
+    batch's axes would gather the whole model first)."""
+    others = [a for i, a in enumerate(args) if i not in argnums]
+    return shards_over((others, kwargs), spec)
+
+
+def run_on_devices(
+    settings: LoopSettings, axis_name: Hashable | None, args: tuple, kwargs: dict
+) -> PyTree:
+    """`microbatched`'s result: the loop, run where the batch lies (see
+    `microbatched`'s docstring, Sharding), and the reduction after it."""
+    if axis_name is not None and _is_manual(axis_name):
+        return _run(settings, axis_name, args, kwargs)[0]
+    spec, mesh = _batch_spec(args, settings.batch_argnums)
+    if spec is None and axis_name is not None:
+        mesh = jax.sharding.get_abstract_mesh()
+        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+        if not all(n in mesh.axis_names for n in names):
+            raise ValueError(
+                f"microbatched(axis_name={axis_name!r}) needs that axis "
+                "bound: call it inside jax.shard_map over it, or under "
+                "jax.set_mesh(mesh) with a mesh that has it; the mesh "
+                f"here has axes {mesh.axis_names}."
+            )
+        spec = axis_name
+    if spec is None or _shards_over_batch_axes(
+        args, kwargs, settings.batch_argnums, spec
+    ):
+        # The partitioner runs the loop: params sharded (or, with `Auto`
+        # axes, maybe sharded) are gathered in each micro-batch.
+        regather = jax.device_count() > 1
+        return _run(settings, None, args, kwargs, regather=regather)[0]
+    return _in_shard_map(settings, mesh, spec, args, kwargs)
+
+
+def _run(
+    settings: LoopSettings,
+    axis_name: Hashable | None,
+    args: tuple,
+    kwargs: dict,
+    *,
+    regather: bool = False,
+) -> tuple[PyTree, list[bool]]:
+    """The loop and the reduction after it across `axis_name` (if bound):
+    the output, and which of its combined leaves are per-example rows."""
+    looped = accumulate(settings, axis_name, args, kwargs, regather=regather)
+    if settings.weight_fn is not None:
+        values = _weighted_across_devices(looped, axis_name)
+    else:
+        values = _across_devices(looped, axis_name)
+    results = [
+        _unsplit(a) if kind == "concat" else a.astype(s.dtype)
+        for kind, a, s in zip(looped.kinds, values, looped.structs, strict=True)
+    ]
+    tree = jax.tree_util.tree_unflatten(looped.treedef, results)
+    return eqx.combine(tree, looped.static), [c == "concat" for c in looped.kinds]
+
+
+def _unsplit(acc: jax.Array) -> jax.Array:
+    """A per-example output's carry `(rows, k, ...)` as the batch's rows:
+    micro-batch `j`'s row `a` is the batch's row `a * k + j`."""
+    return acc.reshape(acc.shape[0] * acc.shape[1], *acc.shape[2:])
+
+
+def _across_devices(looped: Looped, axis_name: Hashable | None) -> list:
+    """Each device's means (or sums) over its micro-batches, averaged (or
+    summed) across `axis_name` if given: means in at least float32 (a
+    narrower one's sum over devices would overflow)."""
+    if axis_name is None:
+        return looped.accumulators
+    values = []
+    for kind, a in zip(looped.kinds, looped.accumulators, strict=True):
+        if kind == "mean":
+            a = lax.pmean(a.astype(work_dtype(a.dtype)), axis_name)
+        elif kind == "sum":
+            a = lax.psum(a, axis_name)
+        elif kind == "any":
+            a = lax.psum(a.astype(jnp.int32), axis_name) > 0
+        values.append(a)
+    return values
+
+
+def _weighted_across_devices(looped: Looped, axis_name: Hashable | None) -> list:
+    """The weighted loop's results: floating ones are each device's weighted
+    mean (zeros where its weights sum to 0); across devices, every device's
+    mean times its weight, its integer sums, bool flags and its weight go
+    into one `psum`, and the means are divided by the summed weight."""
+    kinds, acc, total = looped.kinds, looped.accumulators, looped.weight
+    if axis_name is None:
+        return acc
+    parts = []
+    for kind, a in zip(kinds, acc, strict=True):
+        if kind == "mean":
+            # At least the weight's float32: a narrower accumulator's
+            # mean times a token count would overflow.
+            wide = a.astype(jnp.promote_types(a.dtype, total.dtype))
+            parts.append(wide * total.astype(wide.dtype))
+        elif kind == "any":
+            parts.append(a.astype(jnp.int32))
+        elif kind == "sum":
+            parts.append(a)
+    summed, total = lax.psum((parts, total), axis_name)
+    reduced = iter(summed)
+    safe = jnp.where(total > 0, total, jnp.ones_like(total))
+    values = []
+    for kind, a in zip(kinds, acc, strict=True):
+        if kind == "concat":
+            values.append(a)
+            continue
+        value = next(reduced)
+        if kind == "mean":
+            value = value / safe.astype(value.dtype)
+        elif kind == "any":
+            value = value > 0
+        values.append(value)
+    return values
+
+
+def _in_shard_map(
+    settings: LoopSettings, mesh: Any, spec: Any, args: tuple, kwargs: dict
+) -> PyTree:
+    """Runs the loop inside a `jax.shard_map` manual over the batch's axes
+    only: the batch enters split over them, everything else replicated;
+    per-example outputs leave split over them, the rest replicated."""
+    axes = spec if isinstance(spec, tuple) else (spec,)
+    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+    dyn_args, dyn_kwargs = dynamic
+    in_specs = (
+        tuple(
+            P(spec) if i in settings.batch_argnums else P()
+            for i in range(len(dyn_args))
+        ),
+        P(),
+    )
+    # What the traced function learns about its output, for outside it.
+    out_static, out_def, per_example = [], [], []
+
+    def local(dyn_args, dyn_kwargs):
+        args, kwargs = eqx.combine((dyn_args, dyn_kwargs), static)
+        out, rows_flags = _run(settings, spec, tuple(args), kwargs)
+        per_example.extend(rows_flags)
+        dyn_out, static_out = eqx.partition(out, is_combined)
+        out_static.append(static_out)
+        leaves, treedef = jax.tree.flatten(dyn_out)
+        out_def.append(treedef)
+        reduced = [x for x, c in zip(leaves, rows_flags, strict=True) if not c]
+        rows = [x for x, c in zip(leaves, rows_flags, strict=True) if c]
+        return reduced, rows
+
+    reduced, rows = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=(P(), P(spec)),
+        axis_names=set(axes),
+    )(tuple(dyn_args), dyn_kwargs)
+    reduced_it, rows_it = iter(reduced), iter(rows)
+    leaves = [next(rows_it) if c else next(reduced_it) for c in per_example]
+    return eqx.combine(jax.tree.unflatten(out_def[0], leaves), out_static[0])

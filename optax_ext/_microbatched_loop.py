@@ -1,0 +1,362 @@
+"""The loop of `microbatched` on this device's rows: the batch cut into `k`
+micro-batches (rows `j, j + k, ...`), `grad_fn` called on each in a
+`lax.fori_loop`, and each output leaf folded into its accumulator by kind
+(mean, weighted mean, sum, any, per-example rows) with `_accumulation`'s
+arithmetic. What happens across devices after the loop is
+`_microbatched_devices`'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import PyTree
+
+from ._accumulation import (
+    accumulator_dtype_for,
+    fold,
+    fold_weighted,
+    weight_dtype,
+    weighted_fold_terms,
+)
+from ._sharding import (
+    cast_varying,
+    sharded_type,
+    split_leading,
+    varying_axes,
+    zeros_like_struct,
+)
+from ._tree import describe_value
+
+
+class LoopSettings(NamedTuple):
+    """What `microbatched` was built with, checked (see its docstring)."""
+
+    grad_fn: Callable
+    num_microbatches: int
+    batch_argnums: tuple[int, ...]
+    key_argnum: int | None
+    accumulator_dtype: Any
+    weight_fn: Callable | None
+    per_example: Any
+    num_real_microbatches: Any
+
+
+class Looped(NamedTuple):
+    """The loop's result on this device, before any reduction across
+    devices: one accumulator per combined output leaf, flat."""
+
+    kinds: list[str]
+    """Per leaf: "mean", "sum" (integer), "any" (bool) or "concat" (rows)."""
+    accumulators: list[jax.Array]
+    """Per leaf: the mean (weighted with `weight_fn`), sum, any, or the
+    per-example rows as `(rows, k, ...)`."""
+    weight: jax.Array
+    """The sum of the micro-batches' weights (0 without `weight_fn`)."""
+    structs: list[jax.ShapeDtypeStruct]
+    """Per leaf: `grad_fn`'s output on one micro-batch."""
+    treedef: Any
+    """The structure of the combined leaves of `grad_fn`'s output."""
+    static: PyTree
+    """The rest of the output (non-arrays, float0 gradients), as given."""
+
+
+def is_float0(x: Any) -> bool:
+    """Whether `x` (an array or a `ShapeDtypeStruct`) has dtype float0: what
+    `jax.grad(..., allow_int=True)` gives for an integer input. It holds no
+    values: `microbatched` returns it as `grad_fn` gives it."""
+    return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
+def is_combined(x: Any) -> bool:
+    """An output leaf that `microbatched` combines: an array, not float0."""
+    return eqx.is_array(x) and not is_float0(x)
+
+
+def pcast_varying(tree: PyTree, axis_name: Hashable) -> PyTree:
+    """Types every array of `tree` as differing across `axis_name`, so that
+    `jax.grad` inside `shard_map` returns this device's own gradient instead
+    of summing it over the devices (in every micro-batch)."""
+
+    def cast(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        axes = varying_axes(x)
+        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+        missing = tuple(n for n in names if axes is None or n not in axes)
+        if axes is None or not missing:
+            return x
+        return cast_varying(x, missing)
+
+    return jax.tree.map(cast, tree)
+
+
+def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
+    """`value` typed as varying wherever the carry `like` is (a loop carry
+    keeps its type)."""
+    want, have = varying_axes(like), varying_axes(value)
+    if want is None or have is None or want <= have:
+        return value
+    return cast_varying(value, tuple(want - have))
+
+
+def _check_weight(weight: Any) -> jax.Array:
+    dtype = getattr(weight, "dtype", None)
+    if (
+        dtype is None
+        and isinstance(weight, int | float)
+        and not isinstance(weight, bool)
+    ):
+        dtype = jnp.result_type(weight)
+    real = dtype is not None and (
+        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    )
+    if not real or dtype == jnp.bool_ or jnp.shape(weight) != ():
+        raise TypeError(
+            "weight_fn must return a real scalar >= 0 (the micro-batch's "
+            "weight, e.g. its number of non-padding tokens), got "
+            f"{describe_value(weight)}."
+        )
+    return jnp.asarray(weight)
+
+
+def _per_example_flags(per_example: Any, out_shape: PyTree, shapes: PyTree) -> list:
+    """`per_example` (a bool, or a pytree prefix of grad_fn's output with
+    bool leaves) as one flag per array leaf of the output."""
+    if isinstance(per_example, bool):
+        return [per_example] * len(jax.tree.leaves(shapes))
+    try:
+        full = jax.tree.map(
+            lambda flag, sub: jax.tree.map(lambda _: flag, sub), per_example, shapes
+        )
+    except ValueError as e:
+        raise ValueError(
+            "per_example must be a bool or a pytree prefix of grad_fn's output "
+            f"with bool leaves; grad_fn returned {jax.tree.structure(out_shape)}, "
+            f"per_example is {jax.tree.structure(per_example)}. ({e})"
+        ) from None
+    flags = jax.tree.leaves(full)
+    for flag in flags:
+        if not isinstance(flag, bool | np.bool_):
+            raise TypeError(
+                f"per_example's leaves must be True or False, got {flag!r}."
+            )
+    return [bool(f) for f in flags]
+
+
+def _kind_and_dtype(
+    struct: Any, per_example: bool, rows: int, accumulator_dtype: Any, path: str
+) -> tuple[str, Any]:
+    """How the output leaf at `path` is combined, and its accumulator's dtype."""
+    where = f"at {path or 'the root'}"
+    if per_example:
+        if not struct.shape or struct.shape[0] != rows:
+            raise ValueError(
+                f"per_example marks grad_fn's output {where} as having a "
+                f"row per example, but on a micro-batch of {rows} rows it "
+                f"has shape {struct.shape}: its leading axis must be the "
+                "micro-batch's rows."
+            )
+        return "concat", struct.dtype
+    if jnp.issubdtype(struct.dtype, jnp.inexact):
+        return "mean", accumulator_dtype_for(
+            struct.dtype, accumulator_dtype, path, "microbatched", "grad_fn's output"
+        )
+    if struct.dtype == jnp.bool_:
+        return "any", jnp.dtype(jnp.bool_)
+    if jnp.issubdtype(struct.dtype, jnp.integer):
+        return "sum", struct.dtype
+    raise TypeError(
+        f"grad_fn returned {struct.dtype} {where}; microbatched combines "
+        "floating (mean), integer (sum) and bool (any) outputs only."
+    )
+
+
+def _plan_outputs(
+    out_shape: PyTree, settings: LoopSettings, rows: int
+) -> tuple[list[str], list[Any], list[Any], Any, PyTree]:
+    """From `grad_fn`'s output on one micro-batch (its shapes): per combined
+    leaf its kind and accumulator dtype, and its struct; their structure;
+    and the rest of the output, as it comes back."""
+    is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    combined = lambda x: is_struct(x) and not is_float0(x)  # noqa: E731
+    shapes, static = eqx.partition(out_shape, combined, is_leaf=is_struct)
+    # A float0 gradient (of an integer input) comes back as the NumPy array
+    # of its shape that jax.grad returns.
+    static = jax.tree.map(
+        lambda x: np.zeros(x.shape, x.dtype) if is_struct(x) else x,
+        static,
+        is_leaf=is_struct,
+    )
+    flat_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    flags = _per_example_flags(settings.per_example, out_shape, shapes)
+    kinds, acc_dtypes = [], []
+    for (path, s), per_example in zip(flat_shapes, flags, strict=True):
+        kind, dtype = _kind_and_dtype(
+            s,
+            per_example,
+            rows,
+            settings.accumulator_dtype,
+            jax.tree_util.keystr(path),
+        )
+        kinds.append(kind)
+        acc_dtypes.append(dtype)
+    return kinds, acc_dtypes, [s for _, s in flat_shapes], treedef, static
+
+
+def _rows_accumulator(struct: Any, k: int, dtype: Any) -> jax.Array:
+    """Zeros for a per-example output's `k` micro-batches, `(rows, k, ...)`:
+    where the output's type is sharded (`Explicit` axes), its rows keep
+    their split and the new micro-batch axis is whole."""
+    shape = (struct.shape[0], k, *struct.shape[1:])
+    if not sharded_type(struct):
+        return jnp.zeros(shape, dtype)
+    spec = tuple(struct.sharding.spec)
+    spec += (None,) * (len(struct.shape) - len(spec))
+    sharding = struct.sharding.update(spec=P(spec[0], None, *spec[1:]))
+    return jnp.zeros(shape, dtype, out_sharding=sharding)
+
+
+def _fold_output(
+    kind: str, j: jax.Array, out: jax.Array, acc: jax.Array, weighted: Any
+) -> jax.Array:
+    """`acc` with micro-batch `j`'s output `out` folded in, by its kind;
+    `weighted` is `fold_weighted`'s `(first, nothing, scale)` or None."""
+    if kind == "concat":
+        return lax.dynamic_update_index_in_dim(acc, out, j, axis=1)
+    if kind == "any":
+        return jnp.logical_or(acc, out)
+    if kind == "sum":
+        return fold(out, acc, j, mean=False)
+    if weighted is not None:
+        return fold_weighted(out, acc, *weighted)
+    return fold(out, acc, j, mean=True)
+
+
+def _params_barrier(j: jax.Array, tree: Any, argnums: tuple[int, ...]) -> Any:
+    """`(args, kwargs)` as they are, but their arrays outside the batch
+    positions made to depend on `j` for XLA (an `optimization_barrier`), so
+    that it gathers sharded params in each micro-batch instead of hoisting
+    the gathers out of the loop (`docs/design.md`, FSDP)."""
+    args, kwargs = tree
+    others = {i: a for i, a in enumerate(args) if i not in argnums}
+    dynamic, static = eqx.partition((others, kwargs), eqx.is_array)
+    dynamic, _ = lax.optimization_barrier((dynamic, j))
+    others, kwargs = eqx.combine(dynamic, static)
+    return [others.get(i, a) for i, a in enumerate(args)], kwargs
+
+
+def _loop_bound(value: Any, k: int) -> Any:
+    if value is None:
+        return k
+    if isinstance(value, int | np.integer):
+        return int(value)
+    return jnp.clip(jnp.asarray(value).astype(jnp.int32), 0, k)
+
+
+def accumulate(
+    settings: LoopSettings,
+    axis_name: Hashable | None,
+    args: tuple,
+    kwargs: dict,
+    *,
+    regather: bool = False,
+) -> Looped:
+    """The loop on this device's rows, inside `shard_map` over `axis_name`
+    where given. With `regather`, everything but the batch passes an
+    `optimization_barrier` with the micro-batch index in each iteration
+    (`_params_barrier`)."""
+    k, argnums = settings.num_microbatches, settings.batch_argnums
+    key_argnum = settings.key_argnum
+    if axis_name is not None:
+        args, kwargs = pcast_varying((args, kwargs), axis_name)
+    size = jnp.shape(jax.tree.leaves(args[argnums[0]])[0])[0]
+    if size % k:
+        raise ValueError(
+            f"each device holds {size} rows of the batch (argument "
+            f"{argnums[0]}), which do not split into num_microbatches={k} "
+            f"equal micro-batches; the batch size must be a multiple of {k} "
+            "times the number of devices it is sharded over."
+        )
+    # Rows (a * k + j) form micro-batch j: a device's rows stay its own in
+    # every micro-batch.
+    split = {i: jax.tree.map(lambda x: split_leading(x, k), args[i]) for i in argnums}
+    keys = None if key_argnum is None else jax.random.split(args[key_argnum], k)
+
+    def cut(j: jax.Array) -> tuple[list, dict[str, Any]]:
+        call_args, call_kwargs = list(args), kwargs
+        if regather:
+            call_args, call_kwargs = _params_barrier(j, (call_args, kwargs), argnums)
+        for i in argnums:
+            call_args[i] = jax.tree.map(
+                lambda x: lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False),
+                split[i],
+            )
+        if keys is not None and key_argnum is not None:
+            key = lax.dynamic_index_in_dim(keys, j, keepdims=False)
+            if axis_name is not None:
+                # Each device's rows get their own dropout masks.
+                key = jax.random.fold_in(key, lax.axis_index(axis_name))
+            call_args[key_argnum] = key
+        return call_args, call_kwargs
+
+    def call(j: jax.Array) -> PyTree:
+        call_args, call_kwargs = cut(j)
+        return settings.grad_fn(*call_args, **call_kwargs)
+
+    def weight_of(j: jax.Array) -> jax.Array:
+        assert settings.weight_fn is not None
+        call_args, call_kwargs = cut(j)
+        return _check_weight(settings.weight_fn(*call_args, **call_kwargs))
+
+    out_shape = eqx.filter_eval_shape(call, jnp.zeros((), jnp.int32))
+    kinds, acc_dtypes, structs, treedef, static = _plan_outputs(
+        out_shape, settings, rows=size // k
+    )
+    weighted = settings.weight_fn is not None
+    weights_dtype = weight_dtype(
+        [d for d, kind in zip(acc_dtypes, kinds, strict=True) if kind == "mean"]
+    )
+
+    def body(j: jax.Array, carry: tuple) -> tuple:
+        acc, weight_sum = carry
+        terms = None
+        if weighted:
+            w = weight_of(j).astype(weights_dtype)
+            weight_sum, terms = weighted_fold_terms(weight_sum, w)
+        outs = jax.tree.leaves(eqx.filter(call(j), is_combined))
+        if len(outs) != len(acc):
+            raise ValueError(
+                "grad_fn returned a different structure on its second trace: "
+                f"{len(outs)} arrays against {len(acc)}."
+            )
+        new = []
+        for kind, out, a in zip(kinds, outs, acc, strict=True):
+            value = _fold_output(kind, j, out, a, terms)
+            new.append(value if axis_name is None else _match_varying(value, a))
+        if axis_name is not None and weighted:
+            weight_sum = _match_varying(weight_sum, carry[1])
+        return new, weight_sum
+
+    init = []
+    for s, dtype, kind in zip(structs, acc_dtypes, kinds, strict=True):
+        if kind == "concat":
+            zero = _rows_accumulator(s, k, dtype)
+        else:
+            # With the output's sharding where its type has one (params
+            # sharded over `Explicit` axes): a sharded accumulator.
+            zero = zeros_like_struct(s, dtype)
+        init.append(zero if axis_name is None else pcast_varying(zero, axis_name))
+    weight_sum = jnp.zeros((), weights_dtype)
+    if axis_name is not None and weighted:
+        weight_sum = pcast_varying(weight_sum, axis_name)
+    bound = _loop_bound(settings.num_real_microbatches, k)
+    acc, weight_sum = lax.fori_loop(0, bound, body, (init, weight_sum))
+    return Looped(kinds, acc, weight_sum, structs, treedef, static)
