@@ -222,3 +222,15 @@ def as_gradient_dtype(mean: jax.Array, dtype: Any) -> jax.Array:
     if jnp.iscomplexobj(mean) and not jnp.issubdtype(dtype, jnp.complexfloating):
         mean = lax.real(mean)
     return mean.astype(dtype)
+
+
+def is_real_scalar(value: Any) -> bool:
+    """Whether `value` can be a weight: an int or float scalar (Python,
+    NumPy or JAX; not a bool)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        dtype = jnp.result_type(value)
+    real = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    return real and dtype != jnp.bool_ and jnp.shape(value) == ()

@@ -23,6 +23,7 @@ from ._accumulation import (
     accumulator_dtype_for,
     fold,
     fold_weighted,
+    is_real_scalar,
     weight_dtype,
     weighted_fold_terms,
 )
@@ -108,17 +109,7 @@ def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def _check_weight(weight: Any) -> jax.Array:
-    dtype = getattr(weight, "dtype", None)
-    if (
-        dtype is None
-        and isinstance(weight, int | float)
-        and not isinstance(weight, bool)
-    ):
-        dtype = jnp.result_type(weight)
-    real = dtype is not None and (
-        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
-    )
-    if not real or dtype == jnp.bool_ or jnp.shape(weight) != ():
+    if not is_real_scalar(weight):
         raise TypeError(
             "weight_fn must return a real scalar >= 0 (the micro-batch's "
             "weight, e.g. its number of non-padding tokens), got "

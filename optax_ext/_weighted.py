@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._accumulation import weighted_fold_terms
+from ._accumulation import is_real_scalar, weighted_fold_terms
 from ._tree import describe_value
 
 
@@ -60,19 +60,7 @@ def check_weight(weight: Any, weighted: bool, method: str) -> Any:
             "non-padding tokens). The window emits the mean of its gradients "
             "weighted by it."
         )
-    dtype = getattr(weight, "dtype", None)
-    if dtype is None:
-        if isinstance(weight, bool) or not isinstance(weight, int | float):
-            dtype = None
-        else:
-            dtype = jnp.result_type(weight)
-    real = (
-        dtype is not None
-        and not isinstance(weight, bool)
-        and dtype != jnp.bool_
-        and (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
-    )
-    if not real or jnp.shape(weight) != ():
+    if not is_real_scalar(weight):
         raise TypeError(
             f"MultiSteps.{method}'s `weight` must be a real scalar >= 0 (an "
             "int or float, e.g. the mini-step's number of non-padding tokens), "
