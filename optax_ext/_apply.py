@@ -77,16 +77,47 @@ def with_extra_args(opt: Any) -> optax.GradientTransformationExtraArgs:
     return optax.with_extra_args_support(opt)
 
 
-def _fused(optimizer: Any, params: Any) -> Any:
+def _fused(optimizer: Any, params: Any, grads: Any) -> Any:
     """The object whose `_apply_gradients` fuses `optimizer`'s step, if any
-    (`_owner`). None when `params` holds a Python number, which cannot pass
-    through a `cond` as itself (such a step is applied unfused)."""
+    (`_owner`). None when a Python number of `params` has a gradient: its
+    update makes it an array, which the conditional cannot hand back as a
+    number on the steps that do not update (such a step is applied
+    unfused). Numbers without one (`eqx.nn.Dropout`'s `p`) stay outside."""
     owner = _owner(optimizer)
     if not hasattr(owner, "_apply_gradients"):
         return None
-    if any(isinstance(x, (int, float, complex)) for x in jax.tree.leaves(params)):
+    numbers_with_gradients: list[bool] = []
+
+    def note(g: Any, p: Any) -> None:
+        number = isinstance(p, (int, float, complex))
+        numbers_with_gradients.append(g is not None and number)
+
+    try:
+        jax.tree.map(note, grads, params, is_leaf=is_none)
+    except (ValueError, TypeError):
+        return owner  # its own checks say what does not fit
+    if any(numbers_with_gradients):
         return None
     return owner
+
+
+def _check_emit(emit: Any, optimizer: Any, owner: Any) -> None:
+    """Raises unless `emit` is a Python bool and `owner` a `MultiSteps`."""
+    if not isinstance(emit, bool):
+        raise TypeError(
+            "optax_ext.apply_gradients: emit must be a Python bool chosen on the "
+            f"host (e.g. `step % k == k - 1`), or None, got {emit!r} of type "
+            f"{type(emit).__name__}: it chooses which program to compile, so it "
+            "cannot be traced."
+        )
+    from ._multi_steps import MultiSteps  # it imports this module
+
+    if not isinstance(owner, MultiSteps):
+        raise TypeError(
+            "optax_ext.apply_gradients: emit= chooses where an "
+            "optax_ext.MultiSteps window ends, so the optimizer must be one "
+            f"(or its gradient_transformation()), got {optimizer!r}."
+        )
 
 
 def apply_gradients(
@@ -94,6 +125,8 @@ def apply_gradients(
     grads: optax.Updates,
     opt_state: optax.OptState,
     params: optax.Params,
+    *,
+    emit: bool | None = None,
     **extra_args: Any,
 ) -> tuple[optax.Params, optax.OptState]:
     """One optimizer step applied to `params`: `optimizer.update` followed by
@@ -129,6 +162,17 @@ def apply_gradients(
       where `params` holds no floating array).
     - `opt_state`: the optimizer's state.
     - `params`: the params (or Equinox model) to update.
+    - `emit`: for an `optax_ext.MultiSteps` only, a Python bool from a
+      training loop that knows on the host which step ends a window
+      (`step % k == k - 1`): `False` compiles a step that only
+      accumulates, `True` one that accumulates and runs the inner
+      optimizer on the window's mean, neither with a conditional. The host
+      decides: `True` closes the window on this step, whatever
+      `every_k_schedule` says (the mean is over the mini-steps it holds),
+      and `False` never runs the inner optimizer, even past `k`. Weights,
+      skip functions and `axis_name` work as without it; a skipped step or
+      a window of weight 0 leaves the params and the inner state as they
+      were. `None` (the default): the window decides, in one conditional.
     - `**extra_args`: passed to `update` (`skip=` for `skip_when`,
       `weight=` for `MultiSteps(weighted=True)`, `value=` for
       `optax.contrib.reduce_on_plateau`, ...).
@@ -147,7 +191,16 @@ def apply_gradients(
     ```
     """
     check_transformation(optimizer, "optax_ext.apply_gradients: optimizer")
-    owner = _fused(optimizer, params)
+    owner = _fused(optimizer, params, grads)
+    if emit is not None:
+        _check_emit(emit, optimizer, _owner(optimizer))
+        if owner is None:
+            raise TypeError(
+                "optax_ext.apply_gradients(emit=...): a Python number of `params` "
+                "has a gradient, so its update would make it an array; store it "
+                "as a JAX array (`jnp.asarray`) to choose the window on the host."
+            )
+        return owner._apply_gradients(grads, opt_state, params, emit=emit, **extra_args)
     if owner is not None:
         return owner._apply_gradients(grads, opt_state, params, **extra_args)
     updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)

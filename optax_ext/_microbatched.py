@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._accumulation import check_accumulator_dtype
+from ._accumulate.arithmetic import check_accumulator_dtype
 from ._leaves import is_typed_key
 from ._microbatched_devices import run_on_devices
 from ._microbatched_loop import LoopSettings

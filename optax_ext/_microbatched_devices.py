@@ -19,7 +19,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._accumulation import work_dtype
+from ._accumulate.arithmetic import work_dtype
 from ._microbatched_loop import Looped, LoopSettings, accumulate, is_combined
 from ._sharding import shards_over, typed_sharding
 

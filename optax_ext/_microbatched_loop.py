@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._accumulation import (
+from ._accumulate.arithmetic import (
     accumulator_dtype_for,
     fold,
     fold_weighted,

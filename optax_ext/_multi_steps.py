@@ -19,23 +19,21 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 from jaxtyping import Array, Bool, PyTree
 
-from ._accumulation import (
+from ._accumulate.arithmetic import (
     as_gradient_dtype,
     check_accumulator_dtype,
-    fold,
-    fold_weighted,
     weight_dtype,
     zero_accumulator,
 )
+from ._accumulate.devices import device_state
+from ._accumulate.window import run_window
 from ._apply import (
     check_transformation,
     merge_trainable,
     with_extra_args,
 )
-from ._devices import device_state
 from ._leaves import accumulated, restore_none
 from ._multi_steps_checks import (
     check_skip_fn,
@@ -54,7 +52,6 @@ from ._weighted import (
     check_weighted,
     window_weights,
 )
-from ._window import run_window
 
 
 def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
@@ -64,31 +61,6 @@ def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
     than 0 (or NaN) never does: the window goes on accumulating, as in optax,
     which never emits for such `k`."""
     return jnp.logical_and(k > 0, mini_step + 1 >= k)
-
-
-def _accumulate(
-    grads: PyTree,
-    acc: PyTree,
-    mini_step: jax.Array,
-    mean: bool,
-    should_skip: jax.Array | None,
-    devices: Any,
-    weighted: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-) -> PyTree:
-    """`acc` with `grads` folded in (`fold`; `fold_weighted` with its
-    `(first, nothing, scale)` given as `weighted`), kept where `should_skip`.
-    The gradient gets the state's device axis (if any), which the
-    accumulator keeps through the `cond`: a reshape of the `cond`'s result
-    made XLA copy it into the state."""
-
-    def one(g: jax.Array, a: jax.Array) -> jax.Array:
-        if weighted is None:
-            new = fold(devices.add_axis(g), a, mini_step, mean)
-        else:
-            new = fold_weighted(devices.add_axis(g), a, *weighted)
-        return new if should_skip is None else lax.select(should_skip, a, new)
-
-    return jax.tree.map(one, grads, acc)
 
 
 def _next_counters(
@@ -212,6 +184,9 @@ class MultiSteps(Configured):
             self._weighted,
         )
         self._devices = device_state(axis_name)
+        # A window of one mini-step is possible unless k is a constant > 1.
+        k = every_k_schedule
+        self._may_emit_first = callable(k) or isinstance(k, bool) or k == 1
         # `check_state_structure`'s answers by the avals of its template.
         self._inner_structures: dict[tuple, Any] = {}
 
@@ -298,12 +273,14 @@ class MultiSteps(Configured):
         grads: optax.Updates,
         state: optax.MultiStepsState | WeightedMultiStepsState,
         params: optax.Params,
+        *,
+        emit: bool | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Params, optax.MultiStepsState | WeightedMultiStepsState]:
         """`update` followed by applying the updates to `params`, fused: a
         mini-step returns `params` as they came in, without building zero
         updates (`optax_ext.apply_gradients` calls this)."""
-        return self._step(grads, state, params, extra_args, fused=True)
+        return self._step(grads, state, params, extra_args, fused=True, emit=emit)
 
     def _step(
         self,
@@ -313,6 +290,7 @@ class MultiSteps(Configured):
         extra_args: dict[str, Any],
         *,
         fused: bool,
+        emit: bool | None = None,
     ) -> tuple[PyTree, optax.MultiStepsState | WeightedMultiStepsState]:
         """`update` (`fused=False`) or `_apply_gradients`: checks the inputs
         once, folds the gradients into the accumulator, decides whether the
@@ -347,24 +325,20 @@ class MultiSteps(Configured):
             # `check_step` saw its float `acc_weight`.
             acc_weight = cast(WeightedMultiStepsState, state).acc_weight
             weights = window_weights(acc_weight, step.weight, mini_step)
-        acc = _accumulate(
+        ends = _window_complete(mini_step, step.k) if emit is None else emit
+        window_end = jnp.logical_and(jnp.logical_not(should_skip), ends)
+        mini_next, _ = _next_counters(
+            window_end, window_end, should_skip, mini_step, gradient_step
+        )
+        grad_dtypes = jax.tree.map(lambda g: jnp.result_type(g), grads)
+        result, inner_state, acc, mini, emitted = run_window(
+            window_end,
+            should_skip,
+            weights,
             grads,
             state.acc_grads,
             mini_step,
-            self._use_grad_mean,
-            None if skip_fn is None else should_skip,
-            self._devices,
-            None if weights is None else weights.folding,
-        )
-        window_end = jnp.logical_and(
-            jnp.logical_not(should_skip), _window_complete(mini_step, step.k)
-        )
-
-        grad_dtypes = jax.tree.map(lambda g: jnp.result_type(g), grads)
-        result, inner_state, acc, emitted = run_window(
-            window_end,
-            weights,
-            acc,
+            mini_next,
             state.inner_opt_state,
             params,
             step.extra_args,
@@ -374,14 +348,17 @@ class MultiSteps(Configured):
             as_gradients=lambda mean: jax.tree.map(
                 as_gradient_dtype, mean, grad_dtypes
             ),
+            mean=self._use_grad_mean,
+            may_emit_first=self._may_emit_first or emit is True,
             fused=fused,
+            emit=emit,
         )
         result = (
             merge_trainable(all_params, result)
             if fused
             else restore_none(given, result)
         )
-        mini, gradient = _next_counters(
+        _, gradient = _next_counters(
             window_end, emitted, should_skip, mini_step, gradient_step
         )
         fields: dict[str, Any] = dict(

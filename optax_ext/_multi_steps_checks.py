@@ -16,8 +16,8 @@ import numpy as np
 import optax
 from jaxtyping import PyTree
 
-from ._accumulation import PROMOTION_ERROR, holds, least_holding
-from ._devices import SingleDeviceState
+from ._accumulate.arithmetic import PROMOTION_ERROR, holds, least_holding
+from ._accumulate.devices import SingleDeviceState
 from ._leaves import accumulated, zeros_where_undifferentiated
 from ._records import check_state_structure
 from ._tree import (

@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ._accumulate.branch import known_bool, update_if
 from ._apply import (
     apply_gradients,
     check_transformation,
     merge_trainable,
     with_extra_args,
 )
-from ._conditional import update_if
 from ._leaves import (
     differentiated,
     inner_params,
@@ -24,6 +24,13 @@ from ._leaves import (
 from ._records import check_state_structure, strong_as_recorded, traced_state_record
 from ._static import Configured, config_key
 from ._tree import check_updates_fit_params, describe_value
+
+
+def _run(skip: jax.Array) -> Any:
+    """Whether the inner optimizer runs: a Python bool where `skip` is
+    known while tracing (then no conditional is built)."""
+    known = known_bool(skip)
+    return jnp.logical_not(skip) if known is None else not known
 
 
 class _SkipWhen(Configured):
@@ -70,7 +77,7 @@ class _SkipWhen(Configured):
             return self.inner.update(grads, inner_state, given_params, **extra_args)
 
         new_updates, new_state, _ = update_if(
-            jnp.logical_not(skip), inner_update, filled, state
+            _run(skip), inner_update, (filled,), state
         )
         new_state = strong_as_recorded(new_state, record)
         return updates_for_params(updates, new_updates, params), new_state
@@ -101,7 +108,7 @@ class _SkipWhen(Configured):
             )
 
         new_arrays, new_state, _ = update_if(
-            jnp.logical_not(skip), inner_apply, grads, state, carry=arrays
+            _run(skip), inner_apply, (grads,), state, carry=arrays
         )
         new_state = strong_as_recorded(new_state, record)
         return merge_trainable(params, new_arrays), new_state

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._accumulation import is_real_scalar, weighted_fold_terms
+from ._accumulate.arithmetic import is_real_scalar, weighted_fold_terms
 from ._tree import describe_value
 
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import PyTree
 
-from ._accumulation import work_dtype
-from ._sharding import varying_axes, varying_call
+from .._sharding import varying_axes, varying_call
+from .arithmetic import work_dtype
 
 
 def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple[str, Any, Any]]:

@@ -1,0 +1,239 @@
+"""Running an inner optimizer on some steps only, in one `lax.cond` that
+XLA keeps as written on every backend.
+
+`update_if` runs `inner_update` where `pred` holds; elsewhere the inner
+state (and, fused, the params) pass through the other branch untouched, or
+it returns zeros of the updates' types. The running branch opens with an
+optimization barrier so that no backend turns the conditional into
+selects, and nothing computed before the conditional is routed through it
+(`docs/design.md`, "One conditional on every backend").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jex_core
+from jaxtyping import PyTree
+
+from .._leaves import is_typed_key
+from .._sharding import aval_varying_axes, cast_varying, sharded_type, varying_axes
+from .._tree import cast_like, check_same_shapes
+
+
+def _trace_once(step: Callable, operands: tuple) -> tuple[Callable, Any, list]:
+    """`step` as a function to call in the running branch, traced once
+    here: the caller's `jit` cache holds the trace (`inline` copies its
+    equations into the branch), so nesting `update_if` does not multiply
+    traces. Returns the call, the outputs' tree and their avals."""
+    if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
+        # `jit` would run `step` again in the branch, once more per level.
+        closed, shapes = jax.make_jaxpr(step, return_shape=True)(*operands)
+        return (
+            lambda *args: jex_core.jaxpr_as_fun(closed)(*jax.tree.leaves(args)),
+            jax.tree.structure(shapes),
+            closed.out_avals,
+        )
+    call = jax.jit(step, inline=True)
+    traced = call.trace(*operands)
+    return call, jax.tree.structure(traced.out_info), traced.jaxpr.out_avals
+
+
+def update_if(
+    pred: jax.Array,
+    inner_update: Callable[..., tuple[PyTree, PyTree]],
+    operands: tuple,
+    inner_state: PyTree,
+    *,
+    carry: PyTree = None,
+    counter: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[PyTree, PyTree, jax.Array | None]:
+    """`inner_update(*operands, inner_state)` where `pred`, else zero
+    updates and `inner_state` as it came in.
+
+    The zeros have the dtypes of the inner optimizer's updates, and the new
+    state is conformed to the old one's avals, so both branches agree
+    exactly and the caller's state never changes type. Under `vmap` with a
+    batched `pred` the `cond` becomes a select. `inner_update` is traced
+    once.
+
+    With `carry` (the params of a fused train step), `inner_update` is
+    called as `inner_update(*operands, inner_state, carry)` and returns the
+    new carry in place of updates; where `pred` is false the carry comes
+    back as it went in.
+
+    With `counter`, a pair `(ran, kept)` of int32 scalars, the third output
+    is `ran` where the inner update ran and `kept` elsewhere, computed in
+    the branches: whatever the caller derives from it (a `MultiSteps`
+    window's next `mini_step`, the accumulator's reset) comes after the
+    conditional has read its operands, so XLA may write it in their
+    buffers. `None` otherwise.
+    """
+    carried = carry is not None
+    known = known_bool(pred)
+    if known is not None and counter is None:
+        # Decided while tracing: no conditional (nor barrier) at all.
+        if not known:
+            return (
+                carry if carried else _zeros_of(inner_update, operands, inner_state),
+                inner_state,
+                None,
+            )
+        if carried:
+            new_carry, new_state = inner_update(*operands, inner_state, carry)
+            return (
+                conform_state(new_carry, carry),
+                conform_state(new_state, inner_state),
+                None,
+            )
+        new_updates, new_state = inner_update(*operands, inner_state)
+        return new_updates, conform_state(new_state, inner_state), None
+    ran, kept = counter if counter is not None else (None, None)
+
+    def step(operands, inner_state, carry):
+        if carried:
+            new_carry, new_state = inner_update(*operands, inner_state, carry)
+            new_carry = conform_state(new_carry, carry)
+        else:
+            new_carry, new_state = inner_update(*operands, inner_state)
+        return new_carry, conform_state(new_state, inner_state)
+
+    call, out_def, out_avals = _trace_once(step, (operands, inner_state, carry))
+    n_updates = len(out_avals) - len(jax.tree.leaves(inner_state))
+
+    def run(operands, inner_state, carry, seed):
+        operands, inner_state, carry = _barrier((operands, inner_state, carry))
+        leaves = jax.tree.leaves(call(operands, inner_state, carry))
+        # Evaluated eagerly, a constant output is a Python or NumPy value.
+        leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
+        return jax.tree.unflatten(out_def, leaves), ran
+
+    def skip(operands, inner_state, carry, seed):
+        if carried:
+            return (carry, inner_state), kept
+        zeros = distinct_zeros(out_avals[:n_updates], seed)
+        updates_def = out_def.children()[0]
+        return (jax.tree.unflatten(updates_def, zeros), inner_state), kept
+
+    # The zeros' seed: any int32 scalar XLA cannot fold.
+    seed = kept if kept is not None else lax.convert_element_type(pred, jnp.int32)
+    (result, new_state), count = lax.cond(
+        pred, run, skip, operands, inner_state, carry, seed
+    )
+    return result, new_state, count
+
+
+def known_bool(x: Any) -> bool | None:
+    """`x` as a Python bool where it is known while tracing (a Python or
+    NumPy bool, an array made outside the trace); `None` where traced."""
+    try:
+        return bool(x)
+    except jax.errors.ConcretizationTypeError:
+        return None
+
+
+def _zeros_of(inner_update: Callable, operands: tuple, inner_state: PyTree) -> PyTree:
+    """Zeros of the types of `inner_update`'s updates, without running it."""
+    shapes, _ = jax.eval_shape(inner_update, *operands, inner_state)
+    return jax.tree.map(lambda s: lax.full(s.shape, 0, s.dtype), shapes)
+
+
+def _barrier(tree: PyTree) -> PyTree:
+    """`tree` through `lax.optimization_barrier`: not a cheap op, so XLA:GPU
+    keeps the conditional whose branch holds it (it turns a two-branch
+    conditional whose ops are all cheap, an optimizer's elementwise
+    arithmetic, into selects). Inside `jax.shard_map` one barrier per set
+    of mesh axes the leaves vary over: a barrier's outputs vary over all
+    its inputs' axes."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict[frozenset, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(varying_axes(x) or frozenset(), []).append(i)
+    out = list(leaves)
+    for indices in groups.values():
+        kept = lax.optimization_barrier([leaves[i] for i in indices])
+        for i, x in zip(indices, kept, strict=True):
+            out[i] = x
+    return jax.tree.unflatten(treedef, out)
+
+
+# Leaves from this many elements get zeros of their own (`distinct_zeros`);
+# below it a copy of a shared broadcast costs less than one more kernel to
+# launch and to compile.
+DISTINCT_ZEROS_MIN_SIZE = 1 << 16
+
+
+def distinct_zeros(avals: list[Any], seed: jax.Array | None) -> list[jax.Array]:
+    """Zeros of `avals`, no two large ones one computation to XLA.
+
+    Zeros of one shape are one broadcast to XLA, which then copies it into
+    each output of the `cond` that holds it. Here leaf `i` of at least
+    `DISTINCT_ZEROS_MIN_SIZE` elements broadcasts `float(seed + i) * 0`, a
+    product XLA does not fold (it would not be 0 for an infinite factor),
+    and exactly `+0` for the finite factor it is: nothing to merge, each
+    written once, straight into its output. Without a traced `seed` plain
+    zeros."""
+    out = []
+    for i, aval in enumerate(avals):
+        dtype = jnp.dtype(aval.dtype)
+        small = math.prod(aval.shape) < DISTINCT_ZEROS_MIN_SIZE
+        if seed is None or small or not jnp.issubdtype(dtype, jnp.inexact):
+            zero = lax.full((), 0, dtype)
+        else:
+            real = jnp.finfo(dtype).dtype  # the real part's dtype for complex
+            factor = lax.convert_element_type(seed + i, real)
+            zero = lax.convert_element_type(factor * lax.full((), 0, real), dtype)
+        if sharded_type(aval):  # `Explicit` axes: the sharding is in the type
+            z = lax.full(aval.shape, zero, dtype, sharding=aval.sharding)
+        else:
+            z = lax.broadcast(zero, aval.shape)
+        # Inside `jax.shard_map` the running branch's outputs may vary over
+        # mesh axes (updates of params sharded over a manual axis).
+        axes = (aval_varying_axes(aval) or frozenset()) - (
+            varying_axes(z) or frozenset()
+        )
+        out.append(cast_varying(z, tuple(sorted(axes))) if axes else z)
+    return out
+
+
+def conform_state(new: PyTree, old: PyTree) -> PyTree:
+    """Gives each leaf of the inner optimizer's new state its old dtype and weak
+    type, so that both branches of the `lax.cond` agree exactly."""
+    new_leaves, new_def = jax.tree.flatten(new)
+    old_leaves, old_def = jax.tree.flatten(old)
+    if new_def != old_def:
+        raise ValueError(
+            "The inner optimizer returned a state with another tree structure "
+            f"than it was given: {new_def} instead of {old_def}; a state that is "
+            "kept on some steps must keep its structure."
+        )
+    check_same_shapes(
+        old,
+        new,
+        expected_name="the inner state it was given",
+        got_name="the inner optimizer's new state",
+        hint="a state that is kept on some steps must keep its shapes.",
+    )
+    leaves = []
+    for path_leaf, n, o in zip(
+        jax.tree_util.tree_flatten_with_path(old)[0],
+        new_leaves,
+        old_leaves,
+        strict=True,
+    ):
+        if is_typed_key(o):
+            if n.dtype != o.dtype:
+                raise ValueError(
+                    f"The inner optimizer changed the key type of its state leaf "
+                    f"at {jax.tree_util.keystr(path_leaf[0])} from {o.dtype} to "
+                    f"{n.dtype}."
+                )
+            leaves.append(n)
+        else:
+            leaves.append(cast_like(n, o))
+    return jax.tree.unflatten(old_def, leaves)

@@ -1,0 +1,195 @@
+"""A `MultiSteps` mini-step: the gradients folded into the accumulator,
+and at the end of a window the inner optimizer on the window's mean, in
+one conditional (`update_if`). A weighted window runs only where its
+weights sum to more than 0.
+
+The conditional reads the accumulator as it came in and computes the
+window's mean itself; the fold that writes the accumulator comes after it
+(it reads the conditional's counter), so the accumulator, the inner state
+and the params stay in their donated buffers on every backend
+(`docs/design.md`, "One conditional on every backend").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jaxtyping import PyTree
+
+from .._apply import apply_gradients, merge_trainable
+from .._leaves import is_none
+from .._weighted import Weights
+from .arithmetic import fold, fold_weighted
+from .branch import update_if
+from .devices import PerDeviceState, SingleDeviceState
+
+
+def _keep_or(keep: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+    return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
+
+
+def _arrays_at(tree: PyTree, like: PyTree) -> PyTree:
+    """The leaves of `tree` where `like` holds an array, `None` elsewhere."""
+    return jax.tree.map(
+        lambda x, ref: x if eqx.is_array(ref) else None, tree, like, is_leaf=is_none
+    )
+
+
+def folded(
+    grads: PyTree,
+    acc: PyTree,
+    mini_step: jax.Array,
+    *,
+    mean: bool,
+    weights: Weights | None,
+    devices: SingleDeviceState,
+    may_be_first: bool = True,
+) -> PyTree:
+    """`acc` with `grads` folded in: the running mean (or sum), weighted
+    with `weights`. The gradient gets the state's device axis (if any)."""
+
+    def one(g: jax.Array, a: jax.Array) -> jax.Array:
+        g = devices.add_axis(g)
+        if weights is None:
+            return fold(g, a, mini_step, mean, may_be_first=may_be_first)
+        return fold_weighted(g, a, *weights.folding)
+
+    return jax.tree.map(one, grads, acc)
+
+
+def run_window(
+    window_end: jax.Array,
+    should_skip: jax.Array,
+    weights: Weights | None,
+    grads: PyTree,
+    acc: PyTree,
+    mini_step: jax.Array,
+    mini_next: jax.Array,
+    inner_state: PyTree,
+    params: PyTree | None,
+    extra_args: dict[str, Any],
+    *,
+    inner: optax.GradientTransformationExtraArgs,
+    fusable_inner: Any,
+    devices: SingleDeviceState,
+    as_gradients: Callable[[PyTree], PyTree],
+    mean: bool,
+    may_emit_first: bool,
+    fused: bool,
+    emit: bool | None = None,
+) -> tuple[PyTree, PyTree, PyTree, jax.Array, jax.Array]:
+    """One mini-step: `inner` on the window's mean (`as_gradients` casts it
+    to the gradients' dtypes) where the window ends, in one `update_if`,
+    then `grads` folded into `acc` (kept where `should_skip`), cleared
+    where the window ended. Returns the updates (or, `fused`, the new
+    params from `apply_gradients(fusable_inner, ...)`), the inner state,
+    the accumulator, the next `mini_step` (`mini_next`, out of the
+    conditional), and whether the inner optimizer ran.
+
+    `may_emit_first`: whether a window may end on its first mini-step (a
+    window of 1); where it cannot, the mean is folded without the select
+    of a first value, which lets XLA:GPU fuse it into each of its readers
+    instead of writing it out (`clip_by_global_norm` reads it twice).
+
+    Weighted, whether the window's weights sum to more than 0 is known
+    before the `cond` on one device (in its predicate); per device only
+    after the window's all-reduce, so the emitting branch selects the
+    updates (zeros), the inner state and the params as they came in where
+    the sum over the devices is 0, and hands the decision out with the
+    inner state.
+
+    With `emit` (a Python bool: the host knows which step ends a window)
+    there is no conditional: `False` only folds, `True` runs the inner
+    optimizer on this step's window; a traced reason not to (a skipped
+    step, a window of weight 0) then selects what came in."""
+    decided_inside = weights is not None and isinstance(devices, PerDeviceState)
+    pred = window_end
+    if weights is not None and not decided_inside:
+        pred = jnp.logical_and(window_end, weights.total > 0)
+
+    def window_grads(grads, acc, mini_step, weights):
+        acc = folded(
+            grads,
+            acc,
+            mini_step,
+            mean=mean,
+            weights=weights,
+            devices=devices,
+            may_be_first=may_emit_first,
+        )
+        if weights is None:
+            mean_, keep = devices.window_mean(acc), None
+        else:
+            mean_, keep = devices.window_weighted_mean(acc, weights.total)
+        return as_gradients(mean_), keep
+
+    def inner_update(grads, acc, mini_step, weights, state):
+        mean_, keep = window_grads(grads, acc, mini_step, weights)
+        if keep is None:
+            return inner.update(mean_, state, params, **extra_args)
+        state, _ = state
+        out, new = inner.update(mean_, state, params, **extra_args)
+        out = jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), out)
+        return out, (_keep_or(keep, new, state), keep)
+
+    def inner_apply(grads, acc, mini_step, weights, state, arrays):
+        mean_, keep = window_grads(grads, acc, mini_step, weights)
+        state = state if keep is None else state[0]
+        new_params, new = apply_gradients(
+            fusable_inner, mean_, state, merge_trainable(params, arrays), **extra_args
+        )
+        new_arrays = _arrays_at(new_params, arrays)
+        if keep is None:
+            return new_arrays, new
+        new_arrays = _keep_or(keep, new_arrays, arrays)
+        return new_arrays, (_keep_or(keep, new, state), keep)
+
+    state_in = (
+        (inner_state, jnp.zeros((), jnp.bool_)) if decided_inside else inner_state
+    )
+    operands = (grads, acc, mini_step, weights)
+    # The params' arrays go through the conditional; their other leaves (an
+    # Equinox model's Python numbers and functions) stay outside.
+    arrays = _arrays_at(params, params) if fused else None
+    if emit is None:
+        # The next counter comes out of the conditional (0 where it ran),
+        # and with it the order: the accumulator is written after the reads.
+        result, state_out, next_mini = update_if(
+            pred,
+            inner_apply if fused else inner_update,
+            operands,
+            state_in,
+            carry=arrays,
+            counter=(jnp.zeros((), mini_next.dtype), mini_next),
+        )
+    elif emit:
+        if fused:
+            result, state_out = inner_apply(*operands, state_in, arrays)
+            result = _keep_or(pred, result, arrays)
+        else:
+            result, state_out = inner_update(*operands, state_in)
+            result = jax.tree.map(
+                lambda u: jnp.where(pred, u, 0).astype(u.dtype), result
+            )
+        state_out = _keep_or(pred, state_out, state_in)
+        next_mini = mini_next
+    else:
+        result = arrays if fused else jax.tree.map(jnp.zeros_like, params)
+        state_out, next_mini = state_in, mini_next
+    if fused:
+        result = merge_trainable(params, result)
+    inner_state, emitted = state_out if decided_inside else (state_out, pred)
+    reset = jnp.logical_and(window_end, next_mini == 0)
+    new = folded(grads, acc, mini_step, mean=mean, weights=weights, devices=devices)
+
+    def store(n: jax.Array, a: jax.Array) -> jax.Array:
+        n = lax.select(should_skip, a, n)
+        return lax.select(reset, lax.full_like(n, 0), n)
+
+    return result, inner_state, jax.tree.map(store, new, acc), next_mini, emitted

@@ -1,0 +1,144 @@
+"""Compiling a train step for XLA:CPU, for an H200 (XLA:GPU) and for a TPU
+v5e (XLA:TPU) on a machine with neither ("deviceless": JAX's CUDA plugin
+and libtpu compile for a target they describe), and reading what each will
+run: conditionals, where the optimizer's ops are, copies, memory.
+
+The GPU and TPU compiles need jax 0.11.2 with `jax-cuda13-plugin` and
+`libtpu` (`.ci/run` builds that environment, README "Running the tests").
+Independent of optax_ext's code."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+from importlib.metadata import PackageNotFoundError, version
+
+import jax
+from _helpers import hlo_computations, reachable
+from jax.sharding import NamedSharding, PartitionSpec
+
+# The versions the GPU machines run; another XLA assigns buffers otherwise.
+PINNED_JAX = "0.11.2"
+TARGET = pathlib.Path(__file__).parent / "data" / "h200_target.txtpb"
+# Set by `.ci/run` in the deviceless environment: a missing compiler fails.
+REQUIRED = os.environ.get("OPTAX_EXT_DEVICELESS") == "required"
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def unavailable(backend: str) -> str | None:
+    """Why `backend` cannot be compiled for here, or `None`."""
+    if backend == "cpu":
+        return None
+    if jax.__version__ != PINNED_JAX:
+        return f"deviceless compiles are pinned to jax {PINNED_JAX}, not {jax.__version__}"
+    package = "jax-cuda13-plugin" if backend == "gpu" else "libtpu"
+    if _installed(package) is None:
+        return f"{package} is not installed"
+    return None
+
+
+_MESHES: dict[str, jax.sharding.Mesh] = {}
+
+
+def mesh(backend: str, devices: int = 1) -> jax.sharding.Mesh:
+    """A mesh of `devices` of an H200 (`gpu`) or a TPU v5e (`tpu`) target."""
+    from jax.experimental import topologies
+
+    key = f"{backend}{devices}"
+    if key not in _MESHES:
+        if backend == "gpu":
+            topo = topologies.get_topology_desc(
+                platform="cuda",
+                target_config=TARGET.read_text(),
+                topology=f"1x1x{devices}",
+            )
+        else:
+            shape = {1: "1x1", 4: "2x2", 8: "2x4"}[devices]
+            extra = {"chips_per_host_bounds": (1, 1, 1)} if devices == 1 else {}
+            topo = topologies.get_topology_desc(
+                platform="tpu", topology_name=f"v5e:{shape}", **extra
+            )
+        _MESHES[key] = topologies.make_mesh(topo, (devices,), ("x",))
+    return _MESHES[key]
+
+
+def compile_step(backend, step, *args, donate=(0, 1)):
+    """`jax.jit(step, donate_argnums=donate)` compiled for `backend`, with
+    arguments shaped like `args` (on one device)."""
+    sharding = None
+    if backend != "cpu":
+        sharding = NamedSharding(mesh(backend), PartitionSpec())
+
+    def shaped(tree):
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
+        )
+
+    lowered = jax.jit(step, donate_argnums=donate).lower(*map(shaped, args))
+    return lowered.compile()
+
+
+def branch_names(comps: dict[str, list[str]]) -> set[str]:
+    """Computations that only a conditional's branches run."""
+    names = set()
+    for lines in comps.values():
+        for line in lines:
+            if " conditional(" not in line:
+                continue
+            found = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if found:
+                names |= set(re.findall(r"%([\w.\-]+)", found.group(1)))
+            names |= set(
+                re.findall(r"(?:true|false)_computation=%([\w.\-]+)", line)
+            )
+    inside = set()
+    for name in names:
+        inside |= reachable(comps, name)
+    return inside
+
+
+def opcode(line: str) -> str:
+    """The opcode of an HLO instruction line."""
+    rhs = re.sub(r"/\*.*?\*/", "", line.split(" = ", 1)[1])
+    return re.match(r"(?:\([^=]*\)|\S+) ([\w\-]+)\(", rhs).group(1)
+
+
+def report(compiled, leaf_shapes: set[str], markers: tuple[str, ...]) -> dict:
+    """What the compiled program runs: its conditionals, the optimizer's
+    `markers` ops (`sqrt`, `sign`, ...) outside and inside conditional
+    branches, the copies of an array of a params leaf's shape (`[64,256]`,
+    any dtype) and the memory analysis."""
+    comps = hlo_computations(compiled.as_text())
+    inside = branch_names(comps)
+    outside = reachable(comps, "ENTRY", avoid=inside)
+    counts = {"outside": 0, "inside": 0}
+    copies = []
+    conditionals = 0
+    for name, lines in comps.items():
+        where = "inside" if name in inside else "outside" if name in outside else None
+        for line in lines:
+            if " = " not in line:
+                continue
+            op = opcode(line)
+            conditionals += op == "conditional"
+            if where and op in markers:
+                counts[where] += 1
+            shape = re.match(r"\S+ = \w+(\[[\d,]*\])", line)
+            if op in ("copy", "copy-start") and shape and shape.group(1) in leaf_shapes:
+                copies.append(line[:160])
+    memory = compiled.memory_analysis()
+    return {
+        "conditionals": conditionals,
+        "markers_outside": counts["outside"],
+        "markers_inside": counts["inside"],
+        "copies": copies,
+        "temp": memory.temp_size_in_bytes,
+        "alias": memory.alias_size_in_bytes,
+    }
