@@ -129,7 +129,7 @@ class _SkipWhen(Configured):
             owner="skip_when",
         )
 
-    def _skip(self, extra_args: dict[str, Any]) -> jax.Array:
+    def _skip(self, extra_args: dict[str, Any]) -> Any:
         """Pops the flag from `extra_args`. Without it the step is not
         skipped: callers that pass no extra arguments (flax's
         `TrainState.apply_gradients`) run `inner`."""
@@ -143,7 +143,8 @@ class _SkipWhen(Configured):
                 f"skip_when: {self.flag} must be a scalar bool (True skips the "
                 f"step), got {describe_value(given)}."
             )
-        return skip
+        # A value known while tracing stays one (`jnp.asarray` of it traces).
+        return given if known_bool(given) is not None else skip
 
 
 def skip_when(

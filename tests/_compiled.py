@@ -21,6 +21,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 # The versions the GPU machines run; another XLA assigns buffers otherwise.
 PINNED_JAX = "0.11.2"
 TARGET = pathlib.Path(__file__).parent / "data" / "h200_target.txtpb"
+# libtpu takes a lock file per machine unless told that several processes
+# (pytest -n) may load it; no process here owns a TPU.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Set by `.ci/run` in the deviceless environment: a missing compiler fails.
 REQUIRED = os.environ.get("OPTAX_EXT_DEVICELESS") == "required"
 
@@ -37,7 +40,9 @@ def unavailable(backend: str) -> str | None:
     if backend == "cpu":
         return None
     if jax.__version__ != PINNED_JAX:
-        return f"deviceless compiles are pinned to jax {PINNED_JAX}, not {jax.__version__}"
+        return (
+            f"deviceless compiles are pinned to jax {PINNED_JAX}, not {jax.__version__}"
+        )
     package = "jax-cuda13-plugin" if backend == "gpu" else "libtpu"
     if _installed(package) is None:
         return f"{package} is not installed"
@@ -95,9 +100,7 @@ def branch_names(comps: dict[str, list[str]]) -> set[str]:
             found = re.search(r"branch_computations=\{([^}]*)\}", line)
             if found:
                 names |= set(re.findall(r"%([\w.\-]+)", found.group(1)))
-            names |= set(
-                re.findall(r"(?:true|false)_computation=%([\w.\-]+)", line)
-            )
+            names |= set(re.findall(r"(?:true|false)_computation=%([\w.\-]+)", line))
     inside = set()
     for name in names:
         inside |= reachable(comps, name)
@@ -110,16 +113,33 @@ def opcode(line: str) -> str:
     return re.match(r"(?:\([^=]*\)|\S+) ([\w\-]+)\(", rhs).group(1)
 
 
+def _moves_a_leaf(line: str, leaf_shapes: set[str]) -> bool:
+    """Whether a copy writes an array of a params leaf's shape to another
+    buffer of the same memory and layout: not XLA:TPU's moves into or out
+    of on-chip memory (`S(1)`, memory space 1) or between tiled layouts,
+    which are how it feeds its cores, not a second copy of the params."""
+    found = re.match(r"\S+ = \w+(\[[\d,]*\])(\{[^}]*\})?", line)
+    if not found or found.group(1) not in leaf_shapes:
+        return False
+    if '"memory_space":"1"' in line:  # XLA:TPU: out of on-chip memory
+        return False
+    layout = found.group(2) or ""
+    rank = found.group(1).count(",") + 1 if found.group(1) != "[]" else 0
+    default = ",".join(str(d) for d in reversed(range(rank)))
+    return "S(" not in layout and (not layout or layout[1:].startswith(default))
+
+
 def report(compiled, leaf_shapes: set[str], markers: tuple[str, ...]) -> dict:
     """What the compiled program runs: its conditionals, the optimizer's
     `markers` ops (`sqrt`, `sign`, ...) outside and inside conditional
     branches, the copies of an array of a params leaf's shape (`[64,256]`,
-    any dtype) and the memory analysis."""
+    any dtype) outside them (every step) and inside (emitting steps), and
+    the memory analysis."""
     comps = hlo_computations(compiled.as_text())
     inside = branch_names(comps)
     outside = reachable(comps, "ENTRY", avoid=inside)
     counts = {"outside": 0, "inside": 0}
-    copies = []
+    copies: dict[str, list[str]] = {"outside": [], "inside": []}
     conditionals = 0
     for name, lines in comps.items():
         where = "inside" if name in inside else "outside" if name in outside else None
@@ -130,15 +150,19 @@ def report(compiled, leaf_shapes: set[str], markers: tuple[str, ...]) -> dict:
             conditionals += op == "conditional"
             if where and op in markers:
                 counts[where] += 1
-            shape = re.match(r"\S+ = \w+(\[[\d,]*\])", line)
-            if op in ("copy", "copy-start") and shape and shape.group(1) in leaf_shapes:
-                copies.append(line[:160])
+            if (
+                where
+                and op in ("copy", "copy-start")
+                and _moves_a_leaf(line, leaf_shapes)
+            ):
+                copies[where].append(line[:160])
     memory = compiled.memory_analysis()
     return {
         "conditionals": conditionals,
         "markers_outside": counts["outside"],
         "markers_inside": counts["inside"],
-        "copies": copies,
+        "copies": copies["outside"],
+        "branch_copies": copies["inside"],
         "temp": memory.temp_size_in_bytes,
         "alias": memory.alias_size_in_bytes,
     }

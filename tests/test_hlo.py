@@ -15,8 +15,7 @@ from _helpers import hlo_computations, xla_cpu_only
 from jax import lax
 
 import optax_ext
-from optax_ext import _dataflow
-from optax_ext._conditional import DISTINCT_ZEROS_MIN_SIZE
+from optax_ext._accumulate.branch import DISTINCT_ZEROS_MIN_SIZE
 
 COMPILED = xla_cpu_only(
     "compiled HLO (branches, copies, buffer aliasing) and memory analysis"
@@ -152,44 +151,6 @@ def test_skipped_step_branch_only_writes_zeros(inner):
     _assert_idle_branch_only_writes_zeros(lowered.compile())
 
 
-def test_only_state_read_before_its_write_gets_a_dependency():
-    """The jaxpr analysis behind it: Lion's updates read the old `mu`; Adam's
-    read only the new moments and count, so nothing is added there; a leaf
-    returned as it came in is never written."""
-
-    def readers(tx, passthrough=False):
-        state = tx.init(PARAMS)
-
-        def step(g, s):
-            updates, new = tx.update(g, s, PARAMS)
-            return updates, (s if passthrough else new)
-
-        closed, (shapes, _) = jax.make_jaxpr(step, return_shape=True)(GRADS, state)
-        return _dataflow.state_read_by_updates(
-            closed.jaxpr,
-            n_grads=len(jax.tree.leaves(GRADS)),
-            n_updates=len(jax.tree.leaves(shapes)),
-        )
-
-    n = len(PARAMS)
-    # lion's state: (ScaleByLionState(count, mu), EmptyState); adam's: count, mu, nu
-    assert readers(optax.lion(1e-4)) == [()] + [(i,) for i in range(n)]
-    assert readers(optax.adam(1e-3)) == [()] * (1 + 2 * n)
-    assert readers(optax.lion(1e-4), passthrough=True) == [None] * (1 + n)
-    # The same through the conditional of a skip_when (looked into, not
-    # taken as one opaque step: that ordered every state leaf after every
-    # update and doubled the temporary memory of MultiSteps(skip_when)).
-    # Its state is the inner state: skip_when adds no leaf.
-    # Lion's new `mu` is ordered after its updates by the skip_when already
-    # (a data dependency on them): nothing is added outside. The ordering's
-    # own conditional (the token) is indexed by `traced_pred`, which tests one
-    # element of the first state leaf: read before either branch runs, that
-    # orders nothing, whether the leaf is a count or SGD's momentum trace.
-    assert readers(_skipping(optax.lion(1e-4))) == [()] * (1 + n)
-    assert readers(_skipping(optax.adam(1e-3))) == [()] * (1 + 2 * n)
-    assert readers(_skipping(optax.sgd(1e-3, momentum=0.9))) == [()] * n
-
-
 def _with_custom_vjp(f):
     """`f` as a `jax.custom_vjp` function (its backward pass unused)."""
     g = jax.custom_vjp(f)
@@ -198,46 +159,6 @@ def _with_custom_vjp(f):
 
 
 CALLS = {"jit": jax.jit, "checkpoint": jax.checkpoint, "custom_vjp": _with_custom_vjp}
-
-
-@pytest.mark.parametrize("call", CALLS)
-def test_analysis_looks_into_calls(call):
-    """An update written inside `jax.jit`, `jax.checkpoint` or a
-    `jax.custom_vjp` function (one equation with an inner jaxpr) is
-    analysed as if written in the open: a momentum
-    whose updates read only the new value needs no ordering, one whose
-    updates read the old value does. Taken as opaque, the call made every
-    output depend on every input, and both were ordered."""
-    wrap = CALLS[call]
-
-    def momentum(reads_old: bool):
-        @wrap
-        def both(mu, g):
-            new = 0.9 * mu + g
-            return -(mu + g if reads_old else new), new
-
-        def update(grads, mu, params=None):
-            pairs = {k: both(mu[k], grads[k]) for k in grads}
-            return {k: u for k, (u, _) in pairs.items()}, {
-                k: m for k, (_, m) in pairs.items()
-            }
-
-        return optax.GradientTransformation(
-            lambda params: jax.tree.map(jnp.zeros_like, params), update
-        )
-
-    def readers(tx):
-        state = tx.init(PARAMS)
-        closed, (shapes, _) = jax.make_jaxpr(
-            lambda g, s: tx.update(g, s, PARAMS), return_shape=True
-        )(GRADS, state)
-        return _dataflow.state_read_by_updates(
-            closed.jaxpr, n_grads=len(PARAMS), n_updates=len(jax.tree.leaves(shapes))
-        )
-
-    n = len(PARAMS)
-    assert readers(momentum(reads_old=False)) == [()] * n
-    assert readers(momentum(reads_old=True)) == [(i,) for i in range(n)]
 
 
 def _skipping(inner):
@@ -325,34 +246,6 @@ def test_accumulation_is_one_fusion_per_leaf():
         if _opcode(line) == "fusion" and line.split(" = ")[1].split("{")[0] in shapes
     ]  # fmt: skip
     assert len(big) == len(PARAMS), big
-
-
-def test_outputs_reading_grads():
-    """The jaxpr analysis that orders the accumulator's reset: the outputs of
-    the inner update that depend on the gradients, less those another such
-    output is computed from (reading that one orders both)."""
-
-    def outputs(tx):
-        state = tx.init(PARAMS)
-        closed = jax.make_jaxpr(lambda g, s: tx.update(g, s, PARAMS))(GRADS, state)
-        return _dataflow.grad_readers(closed.jaxpr, n_grads=len(jax.tree.leaves(GRADS)))
-
-    n = len(PARAMS)
-    # adam: n updates, then count, mu (n), nu (n); the updates are computed
-    # from the new mu and nu, so reading the updates is enough
-    assert outputs(optax.adam(1e-3)) == list(range(n))
-    # lion: n updates, then count, mu (n); the updates read the old mu, not
-    # the new one, so both the updates and the new mu must be read
-    assert outputs(optax.lion(1e-4)) == list(range(n)) + list(range(n + 1, 2 * n + 1))
-    # sgd without momentum: updates only (its state is empty)
-    assert outputs(optax.sgd(1.0)) == list(range(n))
-    # a transformation that ignores the gradients
-    assert outputs(optax.set_to_zero()) == []
-    # inside a skip_when's conditional, as without it
-    assert outputs(_skipping(optax.adam(1e-3))) == list(range(n))
-    # lion inside skip_when: the skip_when orders the new mu after the
-    # updates (they read the old one), so reading the new mu is enough
-    assert outputs(_skipping(optax.lion(1e-4))) == list(range(n + 1, 2 * n + 1))
 
 
 @COMPILED

@@ -11,6 +11,7 @@ selects, and nothing computed before the conditional is routed through it
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -26,22 +27,22 @@ from .._sharding import aval_varying_axes, cast_varying, sharded_type, varying_a
 from .._tree import cast_like, check_same_shapes
 
 
-def _trace_once(step: Callable, operands: tuple) -> tuple[Callable, Any, list]:
+def _trace_once(step: Callable, operands: tuple) -> tuple[Callable, Any, Any]:
     """`step` as a function to call in the running branch, traced once
     here: the caller's `jit` cache holds the trace (`inline` copies its
     equations into the branch), so nesting `update_if` does not multiply
-    traces. Returns the call, the outputs' tree and their avals."""
+    traces. Returns the call, the outputs' tree and the closed jaxpr."""
     if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
         # `jit` would run `step` again in the branch, once more per level.
         closed, shapes = jax.make_jaxpr(step, return_shape=True)(*operands)
         return (
             lambda *args: jex_core.jaxpr_as_fun(closed)(*jax.tree.leaves(args)),
             jax.tree.structure(shapes),
-            closed.out_avals,
+            closed,
         )
     call = jax.jit(step, inline=True)
     traced = call.trace(*operands)
-    return call, jax.tree.structure(traced.out_info), traced.jaxpr.out_avals
+    return call, jax.tree.structure(traced.out_info), traced.jaxpr
 
 
 def update_if(
@@ -103,14 +104,21 @@ def update_if(
             new_carry, new_state = inner_update(*operands, inner_state)
         return new_carry, conform_state(new_state, inner_state)
 
-    call, out_def, out_avals = _trace_once(step, (operands, inner_state, carry))
-    n_updates = len(out_avals) - len(jax.tree.leaves(inner_state))
+    call, out_def, closed = _trace_once(step, (operands, inner_state, carry))
+    out_avals = closed.out_avals
+    n_state = len(jax.tree.leaves(inner_state))
+    n_updates = len(out_avals) - n_state
+    # Inputs before the inner state: the values `step` closes over, then
+    # the operands.
+    first_state = len(closed.jaxpr.invars) - n_state - len(jax.tree.leaves(carry))
+    to_order = old_value_read_first(closed.jaxpr, first_state, n_state, n_updates)
 
     def run(operands, inner_state, carry, seed):
         operands, inner_state, carry = _barrier((operands, inner_state, carry))
         leaves = jax.tree.leaves(call(operands, inner_state, carry))
         # Evaluated eagerly, a constant output is a Python or NumPy value.
         leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
+        leaves = _state_after_updates(leaves, n_updates, to_order)
         return jax.tree.unflatten(out_def, leaves), ran
 
     def skip(operands, inner_state, carry, seed):
@@ -141,6 +149,88 @@ def _zeros_of(inner_update: Callable, operands: tuple, inner_state: PyTree) -> P
     """Zeros of the types of `inner_update`'s updates, without running it."""
     shapes, _ = jax.eval_shape(inner_update, *operands, inner_state)
     return jax.tree.map(lambda s: lax.full(s.shape, 0, s.dtype), shapes)
+
+
+def _first_bits(x: jax.Array) -> jax.Array | None:
+    """The bits of the first element of `x` as a uint32 scalar (of its real
+    part if complex); `None` where `x` is empty or has no bit cast."""
+    if x.size == 0 or not jnp.issubdtype(x.dtype, jnp.number):
+        return None
+    first = lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ())
+    if jnp.issubdtype(first.dtype, jnp.complexfloating):
+        first = lax.real(first)
+    width = jnp.dtype(first.dtype).itemsize * 8
+    if width not in (8, 16, 32, 64):
+        return None
+    bits = lax.bitcast_convert_type(first, jnp.dtype(f"uint{width}"))
+    return lax.convert_element_type(bits, jnp.uint32)
+
+
+def old_value_read_first(
+    jaxpr: Any, first_state: int, n_state: int, n_updates: int
+) -> list[bool]:
+    """For each state output of the inner step's `jaxpr` (outputs: the
+    updates, then the state; inputs from `first_state` on: the old state),
+    whether the updates read the old value and not the new one (Lion's
+    `mu`): the leaves `_state_after_updates` orders. An equation counts as
+    reading all its inputs for all its outputs (a nested call too)."""
+    needed = {v for v in jaxpr.outvars[:n_updates] if isinstance(v, jex_core.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            needed |= {v for v in eqn.invars if isinstance(v, jex_core.Var)}
+    old = jaxpr.invars[first_state : first_state + n_state]
+    new = jaxpr.outvars[n_updates:]
+    return [
+        o in needed and (not isinstance(n, jex_core.Var) or n not in needed)
+        for o, n in zip(old, new, strict=True)
+    ]
+
+
+def _state_after_updates(
+    leaves: list[Any], n_updates: int, to_order: list[bool]
+) -> list[Any]:
+    """On XLA:CPU, each new state array in `to_order` computed after every
+    update (or new params) leaf: XLA:CPU computes them in loops of their
+    own and, not knowing which comes first, copies a state leaf whose old
+    value the updates read (Lion's `mu`) rather than overwrite it, in the
+    running branch and, for the conditional's output, in the other; made to
+    follow a value read from every update, it is written in place. Other
+    backends compute both in one loop and need no order."""
+    updates = [x for x in leaves[:n_updates] if isinstance(x, jax.Array)]
+    ordered = [
+        i
+        for i in range(n_updates, len(leaves))
+        if to_order[i - n_updates]
+        and isinstance(leaves[i], jax.Array)
+        and leaves[i].size > 1
+        and not is_typed_key(leaves[i])
+        and jnp.issubdtype(leaves[i].dtype, jnp.number)
+    ]
+    if not updates or not ordered or any(varying_axes(x) for x in leaves):
+        return leaves
+
+    def after(updates, state):
+        bits = [
+            b
+            for b in map(_first_bits, lax.optimization_barrier(updates))
+            if b is not None
+        ]
+        if not bits:
+            return state
+        # `b | 1 != 0`: true for every value, yet not foldable by XLA.
+        token = functools.reduce(
+            lax.bitwise_and,
+            [lax.ne(lax.bitwise_or(b, jnp.uint32(1)), jnp.uint32(0)) for b in bits],
+        )
+        return [lax.select(token, x, lax.full_like(x, 0)) for x in state]
+
+    state = lax.platform_dependent(
+        updates, [leaves[i] for i in ordered], cpu=after, default=lambda u, s: s
+    )
+    out = list(leaves)
+    for i, x in zip(ordered, state, strict=True):
+        out[i] = x
+    return out
 
 
 def _barrier(tree: PyTree) -> PyTree:
