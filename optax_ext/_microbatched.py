@@ -10,6 +10,7 @@ and the reduction across devices `_microbatched_devices`'.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -65,12 +66,33 @@ def _check_argnums(
     return argnums, key
 
 
+def _raw_key_impl() -> str:
+    """The PRNG implementation a raw key (`jax.random.PRNGKey(...)`, a
+    uint32 array) is read with: JAX's default, `jax_default_prng_impl`."""
+    return jax.config.jax_default_prng_impl
+
+
 def _is_single_prng_key(x: Any) -> bool:
-    """Whether `x` is one PRNG key: a typed one of shape (), or a raw
-    `PRNGKey` (uint32 (2,)), not a batch of keys."""
+    """Whether `x` is one PRNG key, not a batch of keys: a typed one of
+    shape (), or a raw one that its implementation (the default one) reads
+    as a single key (uint32 `(2,)` for threefry, `(4,)` for rbg)."""
     if is_typed_key(x):
         return jnp.ndim(x) == 0
-    return getattr(x, "dtype", None) == jnp.uint32 and jnp.shape(x) == (2,)
+    if getattr(x, "dtype", None) != jnp.uint32:
+        return False
+    # A fresh callable each time: `eval_shape` caches traces by function,
+    # and the default implementation is not part of that cache's key.
+    wrap = functools.partial(jax.random.wrap_key_data, impl=_raw_key_impl())
+    try:
+        key = jax.eval_shape(wrap, jax.ShapeDtypeStruct(jnp.shape(x), jnp.uint32))
+    except TypeError:  # key data of another implementation's shape
+        return False
+    return key.shape == ()
+
+
+def _raw_key_shape() -> tuple[int, ...]:
+    impl = _raw_key_impl()
+    return jax.eval_shape(functools.partial(jax.random.PRNGKey, impl=impl), 0).shape
 
 
 def _batch_size(args: tuple, argnums: tuple[int, ...], k: int) -> int:
@@ -344,8 +366,10 @@ def _check_call(settings: LoopSettings, args: tuple) -> None:
     if key_argnum is not None and not _is_single_prng_key(args[key_argnum]):
         key = args[key_argnum]
         raise TypeError(
-            f"argument {key_argnum} (key_argnum) must be a PRNG key "
-            "(jax.random.key(...) or jax.random.PRNGKey(...)), got "
+            f"argument {key_argnum} (key_argnum) must be one PRNG key: a typed "
+            "key of shape () (jax.random.key(...)), or a raw key of the "
+            f"default implementation {_raw_key_impl()!r} (jax.random.PRNGKey"
+            f"(...), uint32 of shape {_raw_key_shape()}); got "
             f"{type(key).__name__} of shape {jnp.shape(key)} and dtype "
             f"{getattr(key, 'dtype', None)}."
         )

@@ -252,6 +252,44 @@ def test_key_is_split_per_microbatch():
     assert not np.allclose(got["w"], same["w"], rtol=1e-3)
 
 
+def _dropout_loss(params, batch, key):
+    x, y = batch
+    h = jnp.tanh(x @ params["w"] + params["b"])
+    keep = jax.random.uniform(key, h.shape, jnp.float32) < 0.5
+    pred = jnp.where(keep, h / 0.5, 0.0) @ params["v"]
+    return jnp.mean((pred - y) ** 2)
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
+def test_raw_key_of_every_prng_implementation_is_accepted(impl):
+    """A raw `jax.random.PRNGKey(0)` is uint32 `(4,)` under the rbg
+    implementations (common on TPU): it was refused, by its shape, with an
+    error asking for `jax.random.PRNGKey(...)`. Reference: the float64 mean
+    of grad_fn on each micro-batch with `split(key, k)[j]`, under the same
+    implementation; a batch of raw keys is still refused."""
+    with jax.default_prng_impl(impl):
+        params, batch, key = _params(), _data(), jax.random.PRNGKey(3)
+        fn = optax_ext.microbatched(jax.grad(_dropout_loss), K, key_argnum=2)
+        got = jax.jit(fn)(params, batch, key)
+        keys = jax.random.split(key, K)
+        with jax.enable_x64(True):
+            micro = [
+                jax.grad(_dropout_loss)(
+                    _f64(params),
+                    _f64(jax.tree.map(lambda a, j=j: a[j::K], batch)),
+                    keys[j],
+                )
+                for j in range(K)
+            ]
+            want = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *micro)
+        for name in params:
+            _close(got[name], want[name])
+        with pytest.raises(
+            TypeError, match=rf"argument 2 \(key_argnum\).*{impl}.*shape \(2, "
+        ):
+            fn(params, batch, jax.random.split(key, 2))
+
+
 def test_batch_at_other_positions_and_several_arguments():
     """`batch_argnums` picks the batch (here arguments 0 and 2); the other
     arguments and keyword arguments pass unchanged."""
