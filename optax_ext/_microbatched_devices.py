@@ -22,6 +22,7 @@ from jaxtyping import PyTree
 from ._accumulation import work_dtype
 from ._microbatched_loop import Looped, LoopSettings, accumulate, is_combined
 from ._sharding import shards_over, typed_sharding
+from ._tree import cast_like
 
 
 def _is_manual(axis_name: Hashable) -> bool:
@@ -115,8 +116,10 @@ def _run(
         values = _weighted_across_devices(looped, axis_name)
     else:
         values = _across_devices(looped, axis_name)
+    # `cast_like`: grad_fn's dtype and weak type (the gradient of a Python
+    # float is weakly typed; a strong one would recompile the caller's step).
     results = [
-        _unsplit(a) if kind == "concat" else a.astype(s.dtype)
+        cast_like(_unsplit(a) if kind == "concat" else a, s)
         for kind, a, s in zip(looped.kinds, values, looped.structs, strict=True)
     ]
     tree = jax.tree_util.tree_unflatten(looped.treedef, results)

@@ -127,6 +127,43 @@ def test_matches_whole_batch_in_float64(name, jit):
         assert grads.activation is None
 
 
+def loss_python_scale(params, batch):
+    """`loss` times a Python float param: its gradient is weakly typed."""
+    return loss(params, batch) * params["scale"]
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "weighted"])
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_weakly_typed_outputs_stay_weak(jit, weighted):
+    """The gradient of a Python-float leaf is weakly typed; microbatched
+    returned it strongly typed, so a jitted step fed its result compiled once
+    more than for grad_fn's own. Reference: grad_fn on the whole batch in
+    float64 (values), and its own output types at float32."""
+    params, batch = {**_params(), "scale": 1.5}, _data()
+    grad_fn = jax.value_and_grad(loss_python_scale)
+    weight_fn = (lambda p, b: jnp.float32(b[0].shape[0])) if weighted else None
+    fn = optax_ext.microbatched(grad_fn, K, weight_fn=weight_fn)
+    got = (jax.jit(fn) if jit else fn)(params, batch)
+    plain = grad_fn(params, batch)
+    assert plain[1]["scale"].weak_type  # what the test is about
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(plain), strict=True):
+        assert (g.dtype, g.weak_type) == (w.dtype, w.weak_type)
+    with jax.enable_x64(True):
+        want = grad_fn(_f64({**params, "scale": 1.5}), _f64(batch))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        _close(g, w)
+    traces = []
+
+    @jax.jit
+    def step(out):
+        traces.append(None)
+        return jax.tree.map(lambda x: x * 2, out)
+
+    step(plain)
+    step(got)
+    assert len(traces) == 1
+
+
 def loss_int_param(params, batch):
     """`loss` with an integer param (a step counter, say) that scales it."""
     return loss(params, batch) * params["n"]
