@@ -22,7 +22,7 @@ from jaxtyping import PyTree
 from ._accumulation import check_accumulator_dtype
 from ._leaves import is_typed_key
 from ._microbatched_devices import run_on_devices
-from ._microbatched_loop import LoopSettings
+from ._microbatched_loop import LoopSettings, is_gradient_mark
 from ._tree import as_index, describe_value
 
 
@@ -69,7 +69,9 @@ def _check_argnums(
 def _raw_key_impl() -> str:
     """The PRNG implementation a raw key (`jax.random.PRNGKey(...)`, a
     uint32 array) is read with: JAX's default, `jax_default_prng_impl`."""
-    return jax.config.jax_default_prng_impl
+    # The flag's value, context managers included (`jax.default_prng_impl`);
+    # `jax.config`'s type does not declare its flags.
+    return getattr(jax.config, "jax_default_prng_impl")  # noqa: B009
 
 
 def _is_single_prng_key(x: Any) -> bool:
@@ -130,6 +132,24 @@ def _batch_size(args: tuple, argnums: tuple[int, ...], k: int) -> int:
     return size
 
 
+def _check_per_example(per_example: Any) -> Any:
+    """`per_example`: True, False, `"gradient"`, or a pytree of them (its fit
+    to grad_fn's output is checked on call)."""
+    if isinstance(per_example, bool | np.bool_):
+        return bool(per_example)
+    marks = jax.tree.leaves(per_example)
+    for mark in marks:
+        if not (isinstance(mark, bool | np.bool_) or is_gradient_mark(mark)):
+            raise TypeError(
+                "per_example must be True, False, 'gradient', or a pytree "
+                "prefix of grad_fn's output with such leaves (True: rows "
+                "returned as they are; 'gradient': rows of a gradient with "
+                "respect to the batch); got "
+                f"{per_example!r}, whose leaf {mark!r} is none of them."
+            )
+    return per_example
+
+
 def _check_num_real(value: Any, k: int) -> Any:
     """`num_real_microbatches`: None, or an int scalar; from 0 to `k` where
     known (a traced one is clipped to that range)."""
@@ -178,7 +198,8 @@ def microbatched(
     accumulation.
 
     `microbatched(grad_fn, k)(*args)` returns what `grad_fn(*args)` returns
-    on the whole batch, with the activation memory of `1/k` of it: the batch
+    on the whole batch (for the losses and outputs described below), with
+    the activation memory of `1/k` of it: the batch
     argument (a pytree of arrays sharing a leading batch axis) is cut into `k`
     micro-batches, `grad_fn` is called on each inside a `lax.fori_loop` (not
     unrolled: `grad_fn` is traced twice, once for its output's shapes and
@@ -202,12 +223,31 @@ def microbatched(
     the micro-batch's token count, that is the whole batch's loss and
     gradient (integer leaves are still summed, bool ones `any`-ed).
 
-    An output with a row per example (per-example losses as aux, gradients
-    with respect to the batch itself) is averaged element by element like
-    any floating leaf, unless `per_example` marks it: then it comes back
-    whole, each row where the batch has it (optax.microbatching's CONCAT).
+    An output with a row per example is averaged element by element like
+    any floating leaf unless `per_example` marks it; then it comes back with
+    a row per example of the whole batch, each where the batch has it
+    (optax.microbatching's CONCAT). What the rows are, `microbatched`
+    cannot tell, so the mark says:
 
-    Micro-batch `j` is the rows `j, j + k, j + 2k, ...` of the batch.
+    - `True`: values of each example on its own (per-example losses as
+      aux), returned as they are;
+    - `"gradient"`: a gradient with respect to the batch itself
+      (`jax.grad(loss, argnums=(0, 1))`). A micro-batch's mean loss weighs
+      each of its rows by `k / N` where the whole batch's weighs it by
+      `1 / N`, so micro-batch `j`'s rows are scaled by its share of the
+      whole batch: `1 / k` (`1 / n` with `n` real micro-batches, and over
+      `d` devices `1 / (n d)`), or `w_j / W` with `weight_fn` (`W` the sum
+      of the weights; the rows of a micro-batch of weight 0 are zeros).
+      Marked `True`, they would come back `k` (or `W / w_j`) times the
+      whole batch's.
+
+    Micro-batch `j` is the rows `j, j + k, j + 2k, ...` of the batch (so
+    that with a sharded batch each device keeps its own rows in every
+    micro-batch). For micro-batch `j` to be the contiguous rows
+    `j N/k, ..., (j + 1) N/k - 1` instead, reorder each leaf before the
+    call, `x.reshape(k, N // k, ...).swapaxes(0, 1).reshape(x.shape)`, and
+    per-example outputs after it with the inverse,
+    `y.reshape(N // k, k, ...).swapaxes(0, 1).reshape(y.shape)`.
     Keyword arguments are passed to every call unchanged.
 
     **Numerics:** floating outputs are kept as a running mean,
@@ -284,11 +324,13 @@ def microbatched(
       devices each device's weighted mean and weight go into the one
       reduction after the loop, which divides by the summed weight. The
       weights are traced: negative ones are not caught.
-    - `per_example`: `False` (the default), `True`, or a pytree prefix of
-      `grad_fn`'s output with bool leaves: the outputs marked `True` have a
-      row per example of the micro-batch (leading axis) and come back with a
-      row per example of the whole batch, in the batch's order, not
-      combined. With a sharded batch they stay sharded like it.
+    - `per_example`: `False` (the default), `True`, `"gradient"`, or a
+      pytree prefix of `grad_fn`'s output with such leaves: the outputs
+      marked `True` or `"gradient"` have a row per example of the
+      micro-batch (leading axis) and come back with a row per example of
+      the whole batch, in the batch's order, not combined; those marked
+      `"gradient"` scaled by their micro-batch's share of the batch (see
+      above). With a sharded batch they stay sharded like it.
     - `num_real_microbatches`: None, or an int (a traced one too, e.g. the
       size of a ragged last batch, with no recompilation): only the first
       `n` micro-batches run (rows whose index mod `k` is below `n`, given
@@ -322,10 +364,7 @@ def microbatched(
             "(the batch cut to one micro-batch) and returning its weight, got "
             f"{describe_value(weight_fn)}."
         )
-    if isinstance(per_example, bool | np.bool_):
-        per_example = bool(per_example)
-    else:
-        jax.tree.map(lambda _: None, per_example)  # a pytree (checked on call)
+    per_example = _check_per_example(per_example)
     settings = LoopSettings(
         grad_fn=grad_fn,
         num_microbatches=k,

@@ -191,6 +191,90 @@ def test_float0_gradients_come_back_as_jax_grad_gives_them(jit):
         _close(got[name], want64[name])
 
 
+def masked_loss_rows(params, batch):
+    """A masked mean over the batch's rows (`batch[2]` the mask, integer:
+    not differentiated), and each row's own squared error (a per-example
+    value) as aux."""
+    x, y, mask = batch
+    pred = jnp.tanh(x @ params["w"] + params["b"]) @ params["v"]
+    rows = (pred - y) ** 2
+    mask = mask.astype(rows.dtype)
+    return jnp.sum(mask * rows) / jnp.sum(mask), rows
+
+
+def _masked_batch(mask):
+    x, y = _data()
+    return x, y, jnp.asarray(mask, jnp.int32)
+
+
+def _micro_rows(n):
+    """The rows micro-batches 0 .. n-1 hold: index mod K below n."""
+    return (np.arange(N) % K) < n
+
+
+# Micro-batch j holds rows j, j + K, ...: mask counts 8, 3, 0, 5 per
+# micro-batch (weights that differ, and one micro-batch of weight 0).
+MASK = np.stack([np.arange(N // K) < c for c in (8, 3, 0, 5)], axis=1).reshape(N)
+
+
+@pytest.mark.parametrize("case", ["mean", "real_microbatches", "weighted"])
+def test_gradient_with_respect_to_the_batch_is_the_whole_batch_s(case):
+    """`jax.grad(loss, argnums=(0, 1))`: the gradient with respect to the
+    batch came back `k` times the whole batch's (`W / w_j` times with
+    `weight_fn`) under `per_example=True`, since each micro-batch's mean
+    weighs its rows by `k / N`. Marked `"gradient"`, the rows are scaled by
+    their micro-batch's share; per-example values marked `True` come back as
+    they are. Reference: grad_fn on the whole batch (or its real rows) in
+    float64."""
+    weighted = case == "weighted"
+    mask = MASK if weighted else np.ones(N)
+    params, batch = _params(), _masked_batch(mask)
+    grad_fn = jax.value_and_grad(
+        masked_loss_rows, argnums=(0, 1), has_aux=True, allow_int=True
+    )
+    n = 2 if case == "real_microbatches" else K
+    fn = optax_ext.microbatched(
+        grad_fn,
+        K,
+        per_example=((False, True), (False, "gradient")),
+        weight_fn=(lambda p, b: jnp.sum(b[2])) if weighted else None,
+        num_real_microbatches=jnp.int32(n) if n < K else None,
+    )
+    (value, rows), (grads, batch_grads) = jax.jit(fn)(params, batch)
+    real = _micro_rows(n)
+    with jax.enable_x64(True):
+        whole = jax.tree.map(lambda a: a[real], _f64(batch))
+        (want_value, want_rows), (want_grads, want_real) = grad_fn(_f64(params), whole)
+    want_batch_grads = []
+    for g in want_real[:2]:  # x and y; the integer mask's is float0
+        full = np.zeros((N, *g.shape[1:]))
+        full[real] = g
+        want_batch_grads.append(full)
+    _close(value, want_value)
+    assert batch_grads[2].dtype == jax.dtypes.float0
+    for g, w in zip(
+        jax.tree.leaves((grads, batch_grads[:2])),
+        jax.tree.leaves((want_grads, want_batch_grads)),
+        strict=True,
+    ):
+        assert g.dtype == jnp.float32
+        _close(g, w)
+    _close(rows[real], want_rows)
+    np.testing.assert_array_equal(np.asarray(rows[~real]), 0.0)
+
+
+def test_per_example_marks_are_checked():
+    with pytest.raises(TypeError, match=r"per_example must be .*'gradient'.*'rows'"):
+        optax_ext.microbatched(jax.grad(loss), K, per_example=(False, "rows"))
+
+    def with_signs(params, batch):  # an integer output with a row per example
+        return jax.grad(loss)(params, batch), (batch[0][:, 0] > 0).astype(jnp.int32)
+
+    fn = optax_ext.microbatched(with_signs, K, per_example=(False, "gradient"))
+    with pytest.raises(TypeError, match=r"\[1\] as 'gradient'.*int32"):
+        fn(_params(), _data())
+
+
 def test_integer_and_bool_aux_combine_over_the_whole_batch():
     """Counts are summed and flags `any`-ed over micro-batches: a flag raised
     by one micro-batch only is raised for the batch."""
