@@ -331,10 +331,11 @@ def microbatched(
       the whole batch, in the batch's order, not combined; those marked
       `"gradient"` scaled by their micro-batch's share of the batch (see
       above). With a sharded batch they stay sharded like it.
-    - `num_real_microbatches`: None, or an int (a traced one too, e.g. the
-      size of a ragged last batch, with no recompilation): only the first
-      `n` micro-batches run (rows whose index mod `k` is below `n`, given
-      the split above); the rest of the batch is never read. Means are over
+    - `num_real_microbatches`: None, or an int `n` (a traced one too, with
+      no recompilation): only the first `n` micro-batches run (rows whose
+      index mod `k` is below `n`, given the split above); the rest of the
+      batch is never read. A batch padded at its end is reordered first
+      (docs/multi_steps.md, "How `microbatched` splits the batch"). Means are over
       the real micro-batches; per-example rows of the others are zeros. A
       known value must be from 0 to `k`; a traced one is clipped to that
       range.
