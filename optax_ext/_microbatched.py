@@ -10,6 +10,7 @@ and the reduction across devices `_microbatched_devices`'.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from jaxtyping import PyTree
 from ._accumulate.arithmetic import check_accumulator_dtype
 from ._leaves import is_typed_key
 from ._microbatched_devices import run_on_devices
-from ._microbatched_loop import LoopSettings
+from ._microbatched_loop import LoopSettings, is_gradient_mark
 from ._tree import as_index, describe_value
 
 
@@ -65,12 +66,35 @@ def _check_argnums(
     return argnums, key
 
 
+def _raw_key_impl() -> str:
+    """The PRNG implementation a raw key (`jax.random.PRNGKey(...)`, a
+    uint32 array) is read with: JAX's default, `jax_default_prng_impl`."""
+    # The flag's value, context managers included (`jax.default_prng_impl`);
+    # `jax.config`'s type does not declare its flags.
+    return getattr(jax.config, "jax_default_prng_impl")  # noqa: B009
+
+
 def _is_single_prng_key(x: Any) -> bool:
-    """Whether `x` is one PRNG key: a typed one of shape (), or a raw
-    `PRNGKey` (uint32 (2,)), not a batch of keys."""
+    """Whether `x` is one PRNG key, not a batch of keys: a typed one of
+    shape (), or a raw one that its implementation (the default one) reads
+    as a single key (uint32 `(2,)` for threefry, `(4,)` for rbg)."""
     if is_typed_key(x):
         return jnp.ndim(x) == 0
-    return getattr(x, "dtype", None) == jnp.uint32 and jnp.shape(x) == (2,)
+    if getattr(x, "dtype", None) != jnp.uint32:
+        return False
+    # A fresh callable each time: `eval_shape` caches traces by function,
+    # and the default implementation is not part of that cache's key.
+    wrap = functools.partial(jax.random.wrap_key_data, impl=_raw_key_impl())
+    try:
+        key = jax.eval_shape(wrap, jax.ShapeDtypeStruct(jnp.shape(x), jnp.uint32))
+    except TypeError:  # key data of another implementation's shape
+        return False
+    return key.shape == ()
+
+
+def _raw_key_shape() -> tuple[int, ...]:
+    impl = _raw_key_impl()
+    return jax.eval_shape(functools.partial(jax.random.PRNGKey, impl=impl), 0).shape
 
 
 def _batch_size(args: tuple, argnums: tuple[int, ...], k: int) -> int:
@@ -106,6 +130,24 @@ def _batch_size(args: tuple, argnums: tuple[int, ...], k: int) -> int:
             f"whose size is a multiple of {k}."
         )
     return size
+
+
+def _check_per_example(per_example: Any) -> Any:
+    """`per_example`: True, False, `"gradient"`, or a pytree of them (its fit
+    to grad_fn's output is checked on call)."""
+    if isinstance(per_example, bool | np.bool_):
+        return bool(per_example)
+    marks = jax.tree.leaves(per_example)
+    for mark in marks:
+        if not (isinstance(mark, bool | np.bool_) or is_gradient_mark(mark)):
+            raise TypeError(
+                "per_example must be True, False, 'gradient', or a pytree "
+                "prefix of grad_fn's output with such leaves (True: rows "
+                "returned as they are; 'gradient': rows of a gradient with "
+                "respect to the batch); got "
+                f"{per_example!r}, whose leaf {mark!r} is none of them."
+            )
+    return per_example
 
 
 def _check_num_real(value: Any, k: int) -> Any:
@@ -156,7 +198,8 @@ def microbatched(
     accumulation.
 
     `microbatched(grad_fn, k)(*args)` returns what `grad_fn(*args)` returns
-    on the whole batch, with the activation memory of `1/k` of it: the batch
+    on the whole batch (for the losses and outputs described below), with
+    the activation memory of `1/k` of it: the batch
     argument (a pytree of arrays sharing a leading batch axis) is cut into `k`
     micro-batches, `grad_fn` is called on each inside a `lax.fori_loop` (not
     unrolled: `grad_fn` is traced twice, once for its output's shapes and
@@ -180,12 +223,31 @@ def microbatched(
     the micro-batch's token count, that is the whole batch's loss and
     gradient (integer leaves are still summed, bool ones `any`-ed).
 
-    An output with a row per example (per-example losses as aux, gradients
-    with respect to the batch itself) is averaged element by element like
-    any floating leaf, unless `per_example` marks it: then it comes back
-    whole, each row where the batch has it (optax.microbatching's CONCAT).
+    An output with a row per example is averaged element by element like
+    any floating leaf unless `per_example` marks it; then it comes back with
+    a row per example of the whole batch, each where the batch has it
+    (optax.microbatching's CONCAT). What the rows are, `microbatched`
+    cannot tell, so the mark says:
 
-    Micro-batch `j` is the rows `j, j + k, j + 2k, ...` of the batch.
+    - `True`: values of each example on its own (per-example losses as
+      aux), returned as they are;
+    - `"gradient"`: a gradient with respect to the batch itself
+      (`jax.grad(loss, argnums=(0, 1))`). A micro-batch's mean loss weighs
+      each of its rows by `k / N` where the whole batch's weighs it by
+      `1 / N`, so micro-batch `j`'s rows are scaled by its share of the
+      whole batch: `1 / k` (`1 / n` with `n` real micro-batches, and over
+      `d` devices `1 / (n d)`), or `w_j / W` with `weight_fn` (`W` the sum
+      of the weights; the rows of a micro-batch of weight 0 are zeros).
+      Marked `True`, they would come back `k` (or `W / w_j`) times the
+      whole batch's.
+
+    Micro-batch `j` is the rows `j, j + k, j + 2k, ...` of the batch (so
+    that with a sharded batch each device keeps its own rows in every
+    micro-batch). For micro-batch `j` to be the contiguous rows
+    `j N/k, ..., (j + 1) N/k - 1` instead, reorder each leaf before the
+    call, `x.reshape(k, N // k, ...).swapaxes(0, 1).reshape(x.shape)`, and
+    per-example outputs after it with the inverse,
+    `y.reshape(N // k, k, ...).swapaxes(0, 1).reshape(y.shape)`.
     Keyword arguments are passed to every call unchanged.
 
     **Numerics:** floating outputs are kept as a running mean,
@@ -262,15 +324,18 @@ def microbatched(
       devices each device's weighted mean and weight go into the one
       reduction after the loop, which divides by the summed weight. The
       weights are traced: negative ones are not caught.
-    - `per_example`: `False` (the default), `True`, or a pytree prefix of
-      `grad_fn`'s output with bool leaves: the outputs marked `True` have a
-      row per example of the micro-batch (leading axis) and come back with a
-      row per example of the whole batch, in the batch's order, not
-      combined. With a sharded batch they stay sharded like it.
-    - `num_real_microbatches`: None, or an int (a traced one too, e.g. the
-      size of a ragged last batch, with no recompilation): only the first
-      `n` micro-batches run (rows whose index mod `k` is below `n`, given
-      the split above); the rest of the batch is never read. Means are over
+    - `per_example`: `False` (the default), `True`, `"gradient"`, or a
+      pytree prefix of `grad_fn`'s output with such leaves: the outputs
+      marked `True` or `"gradient"` have a row per example of the
+      micro-batch (leading axis) and come back with a row per example of
+      the whole batch, in the batch's order, not combined; those marked
+      `"gradient"` scaled by their micro-batch's share of the batch (see
+      above). With a sharded batch they stay sharded like it.
+    - `num_real_microbatches`: None, or an int `n` (a traced one too, with
+      no recompilation): only the first `n` micro-batches run (rows whose
+      index mod `k` is below `n`, given the split above); the rest of the
+      batch is never read. A batch padded at its end is reordered first
+      (docs/multi_steps.md, "How `microbatched` splits the batch"). Means are over
       the real micro-batches; per-example rows of the others are zeros. A
       known value must be from 0 to `k`; a traced one is clipped to that
       range.
@@ -300,10 +365,7 @@ def microbatched(
             "(the batch cut to one micro-batch) and returning its weight, got "
             f"{describe_value(weight_fn)}."
         )
-    if isinstance(per_example, bool | np.bool_):
-        per_example = bool(per_example)
-    else:
-        jax.tree.map(lambda _: None, per_example)  # a pytree (checked on call)
+    per_example = _check_per_example(per_example)
     settings = LoopSettings(
         grad_fn=grad_fn,
         num_microbatches=k,
@@ -344,8 +406,10 @@ def _check_call(settings: LoopSettings, args: tuple) -> None:
     if key_argnum is not None and not _is_single_prng_key(args[key_argnum]):
         key = args[key_argnum]
         raise TypeError(
-            f"argument {key_argnum} (key_argnum) must be a PRNG key "
-            "(jax.random.key(...) or jax.random.PRNGKey(...)), got "
+            f"argument {key_argnum} (key_argnum) must be one PRNG key: a typed "
+            "key of shape () (jax.random.key(...)), or a raw key of the "
+            f"default implementation {_raw_key_impl()!r} (jax.random.PRNGKey"
+            f"(...), uint32 of shape {_raw_key_shape()}); got "
             f"{type(key).__name__} of shape {jnp.shape(key)} and dtype "
             f"{getattr(key, 'dtype', None)}."
         )

@@ -20,8 +20,18 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._accumulate.arithmetic import work_dtype
-from ._microbatched_loop import Looped, LoopSettings, accumulate, is_combined
+from ._microbatched_loop import (
+    GRADIENT,
+    Looped,
+    LoopSettings,
+    accumulate,
+    is_combined,
+)
 from ._sharding import shards_over, typed_sharding
+from ._tree import cast_like
+
+ROWS = ("concat", GRADIENT)
+"""The kinds of output that come back with a row per example."""
 
 
 def _is_manual(axis_name: Hashable) -> bool:
@@ -112,15 +122,43 @@ def _run(
     the output, and which of its combined leaves are per-example rows."""
     looped = accumulate(settings, axis_name, args, kwargs, regather=regather)
     if settings.weight_fn is not None:
-        values = _weighted_across_devices(looped, axis_name)
+        values, total = _weighted_across_devices(looped, axis_name)
     else:
-        values = _across_devices(looped, axis_name)
-    results = [
-        _unsplit(a) if kind == "concat" else a.astype(s.dtype)
-        for kind, a, s in zip(looped.kinds, values, looped.structs, strict=True)
-    ]
+        values, total = _across_devices(looped, axis_name), None
+    results = []
+    for kind, a, s in zip(looped.kinds, values, looped.structs, strict=True):
+        if kind == GRADIENT:
+            a = _batch_share(a, looped, total, axis_name)
+        if kind in ROWS:
+            a = _unsplit(a)
+        # grad_fn's dtype and weak type (the gradient of a Python float is
+        # weakly typed; a strong one would recompile the caller's step).
+        results.append(cast_like(a, s))
     tree = jax.tree_util.tree_unflatten(looped.treedef, results)
-    return eqx.combine(tree, looped.static), [c == "concat" for c in looped.kinds]
+    return eqx.combine(tree, looped.static), [c in ROWS for c in looped.kinds]
+
+
+def _batch_share(
+    acc: jax.Array, looped: Looped, total: jax.Array | None, axis_name: Hashable | None
+) -> jax.Array:
+    """A gradient with respect to the batch, `(rows, k, ...)`, each
+    micro-batch's rows scaled by its share of the whole batch: `1 / (n d)`
+    for `n` micro-batches run on each of `d` devices (each micro-batch's
+    loss is a mean over `1 / (n d)` of the batch's rows), or `w_j / W`
+    with `weight_fn` (`W` the weights' sum over every device). Rows of a
+    micro-batch of weight 0 are zeros: it is not read, as for the means."""
+    wide = acc.astype(work_dtype(acc.dtype))
+    by_microbatch = (1, acc.shape[1]) + (1,) * (acc.ndim - 2)
+    if looped.weights is None:
+        devices = 1 if axis_name is None else lax.axis_size(axis_name)
+        count = jnp.maximum(jnp.asarray(looped.count, jnp.int32), 1) * devices
+        return (wide / count.astype(wide.real.dtype)).astype(acc.dtype)
+    assert total is not None
+    w = looped.weights.astype(wide.real.dtype)
+    safe = jnp.where(total > 0, total, jnp.ones_like(total)).astype(w.dtype)
+    share = jnp.where(w > 0, w / safe, jnp.zeros_like(w)).reshape(by_microbatch)
+    scaled = jnp.where(share > 0, wide * share, jnp.zeros_like(wide))
+    return scaled.astype(acc.dtype)
 
 
 def _unsplit(acc: jax.Array) -> jax.Array:
@@ -147,14 +185,17 @@ def _across_devices(looped: Looped, axis_name: Hashable | None) -> list:
     return values
 
 
-def _weighted_across_devices(looped: Looped, axis_name: Hashable | None) -> list:
-    """The weighted loop's results: floating ones are each device's weighted
-    mean (zeros where its weights sum to 0); across devices, every device's
-    mean times its weight, its integer sums, bool flags and its weight go
-    into one `psum`, and the means are divided by the summed weight."""
+def _weighted_across_devices(
+    looped: Looped, axis_name: Hashable | None
+) -> tuple[list, jax.Array]:
+    """The weighted loop's results and the weights' sum over all devices:
+    floating ones are each device's weighted mean (zeros where its weights
+    sum to 0); across devices, every device's mean times its weight, its
+    integer sums, bool flags and its weight go into one `psum`, and the
+    means are divided by the summed weight."""
     kinds, acc, total = looped.kinds, looped.accumulators, looped.weight
     if axis_name is None:
-        return acc
+        return acc, total
     parts = []
     for kind, a in zip(kinds, acc, strict=True):
         if kind == "mean":
@@ -171,7 +212,7 @@ def _weighted_across_devices(looped: Looped, axis_name: Hashable | None) -> list
     safe = jnp.where(total > 0, total, jnp.ones_like(total))
     values = []
     for kind, a in zip(kinds, acc, strict=True):
-        if kind == "concat":
+        if kind in ROWS:
             values.append(a)
             continue
         value = next(reduced)
@@ -180,7 +221,7 @@ def _weighted_across_devices(looped: Looped, axis_name: Hashable | None) -> list
         elif kind == "any":
             value = value > 0
         values.append(value)
-    return values
+    return values, total
 
 
 def _in_shard_map(

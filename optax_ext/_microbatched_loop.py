@@ -1,9 +1,9 @@
 """The loop of `microbatched` on this device's rows: the batch cut into `k`
 micro-batches (rows `j, j + k, ...`), `grad_fn` called on each in a
 `lax.fori_loop`, and each output leaf folded into its accumulator by kind
-(mean, weighted mean, sum, any, per-example rows) with `_accumulation`'s
-arithmetic. What happens across devices after the loop is
-`_microbatched_devices`'.
+(mean, weighted mean, sum, any, per-example rows, rows of a gradient with
+respect to the batch) with `_accumulation`'s arithmetic. What happens across
+devices after the loop is `_microbatched_devices`'.
 """
 
 from __future__ import annotations
@@ -55,12 +55,20 @@ class Looped(NamedTuple):
     devices: one accumulator per combined output leaf, flat."""
 
     kinds: list[str]
-    """Per leaf: "mean", "sum" (integer), "any" (bool) or "concat" (rows)."""
+    """Per leaf: "mean", "sum" (integer), "any" (bool), "concat" (rows as
+    they are) or "gradient" (rows, to be scaled by their micro-batch's
+    share of the batch)."""
     accumulators: list[jax.Array]
     """Per leaf: the mean (weighted with `weight_fn`), sum, any, or the
-    per-example rows as `(rows, k, ...)`."""
+    rows as `(rows, k, ...)`."""
     weight: jax.Array
     """The sum of the micro-batches' weights (0 without `weight_fn`)."""
+    weights: jax.Array | None
+    """With `weight_fn`, each micro-batch's weight, `(k,)` (0 where it did
+    not run); None without."""
+    count: Any
+    """How many micro-batches ran: `k`, or `num_real_microbatches` (an int,
+    or a traced int32 clipped to `[0, k]`)."""
     structs: list[jax.ShapeDtypeStruct]
     """Per leaf: `grad_fn`'s output on one micro-batch."""
     treedef: Any
@@ -118,10 +126,19 @@ def _check_weight(weight: Any) -> jax.Array:
     return jnp.asarray(weight)
 
 
+GRADIENT = "gradient"
+"""The `per_example` mark of a gradient with respect to the batch."""
+
+
+def is_gradient_mark(flag: Any) -> bool:
+    return isinstance(flag, str) and flag == GRADIENT
+
+
 def _per_example_flags(per_example: Any, out_shape: PyTree, shapes: PyTree) -> list:
-    """`per_example` (a bool, or a pytree prefix of grad_fn's output with
-    bool leaves) as one flag per array leaf of the output."""
-    if isinstance(per_example, bool):
+    """`per_example` (a bool, `"gradient"`, or a pytree prefix of grad_fn's
+    output with such leaves) as one mark per array leaf of the output:
+    False, True or `"gradient"`."""
+    if isinstance(per_example, bool) or is_gradient_mark(per_example):
         return [per_example] * len(jax.tree.leaves(shapes))
     try:
         full = jax.tree.map(
@@ -129,21 +146,22 @@ def _per_example_flags(per_example: Any, out_shape: PyTree, shapes: PyTree) -> l
         )
     except ValueError as e:
         raise ValueError(
-            "per_example must be a bool or a pytree prefix of grad_fn's output "
-            f"with bool leaves; grad_fn returned {jax.tree.structure(out_shape)}, "
+            "per_example must be a bool, 'gradient', or a pytree prefix of "
+            "grad_fn's output with such leaves; grad_fn returned "
+            f"{jax.tree.structure(out_shape)}, "
             f"per_example is {jax.tree.structure(per_example)}. ({e})"
         ) from None
     flags = jax.tree.leaves(full)
     for flag in flags:
-        if not isinstance(flag, bool | np.bool_):
+        if not (isinstance(flag, bool | np.bool_) or is_gradient_mark(flag)):
             raise TypeError(
-                f"per_example's leaves must be True or False, got {flag!r}."
+                f"per_example's leaves must be True, False or 'gradient', got {flag!r}."
             )
-    return [bool(f) for f in flags]
+    return [flag if is_gradient_mark(flag) else bool(flag) for flag in flags]
 
 
 def _kind_and_dtype(
-    struct: Any, per_example: bool, rows: int, accumulator_dtype: Any, path: str
+    struct: Any, per_example: Any, rows: int, accumulator_dtype: Any, path: str
 ) -> tuple[str, Any]:
     """How the output leaf at `path` is combined, and its accumulator's dtype."""
     where = f"at {path or 'the root'}"
@@ -155,6 +173,14 @@ def _kind_and_dtype(
                 f"has shape {struct.shape}: its leading axis must be the "
                 "micro-batch's rows."
             )
+        if is_gradient_mark(per_example):
+            if not jnp.issubdtype(struct.dtype, jnp.inexact):
+                raise TypeError(
+                    f"per_example marks grad_fn's output {where} as "
+                    f"'gradient', but it is {struct.dtype}: a gradient with "
+                    "respect to the batch is floating."
+                )
+            return GRADIENT, struct.dtype
         return "concat", struct.dtype
     if jnp.issubdtype(struct.dtype, jnp.inexact):
         return "mean", accumulator_dtype_for(
@@ -220,7 +246,7 @@ def _fold_output(
 ) -> jax.Array:
     """`acc` with micro-batch `j`'s output `out` folded in, by its kind;
     `weighted` is `fold_weighted`'s `(first, nothing, scale)` or None."""
-    if kind == "concat":
+    if kind in ("concat", GRADIENT):
         return lax.dynamic_update_index_in_dim(acc, out, j, axis=1)
     if kind == "any":
         return jnp.logical_or(acc, out)
@@ -317,11 +343,12 @@ def accumulate(
     )
 
     def body(j: jax.Array, carry: tuple) -> tuple:
-        acc, weight_sum = carry
+        acc, weight_sum, weights = carry
         terms = None
         if weighted:
             w = weight_of(j).astype(weights_dtype)
             weight_sum, terms = weighted_fold_terms(weight_sum, w)
+            weights = lax.dynamic_update_index_in_dim(weights, w, j, axis=0)
         outs = jax.tree.leaves(eqx.filter(call(j), is_combined))
         if len(outs) != len(acc):
             raise ValueError(
@@ -334,11 +361,12 @@ def accumulate(
             new.append(value if axis_name is None else _match_varying(value, a))
         if axis_name is not None and weighted:
             weight_sum = _match_varying(weight_sum, carry[1])
-        return new, weight_sum
+            weights = _match_varying(weights, carry[2])
+        return new, weight_sum, weights
 
     init = []
     for s, dtype, kind in zip(structs, acc_dtypes, kinds, strict=True):
-        if kind == "concat":
+        if kind in ("concat", GRADIENT):
             zero = _rows_accumulator(s, k, dtype)
         else:
             # With the output's sharding where its type has one (params
@@ -346,8 +374,20 @@ def accumulate(
             zero = zeros_like_struct(s, dtype)
         init.append(zero if axis_name is None else pcast_varying(zero, axis_name))
     weight_sum = jnp.zeros((), weights_dtype)
+    weights = jnp.zeros((k,), weights_dtype)
     if axis_name is not None and weighted:
-        weight_sum = pcast_varying(weight_sum, axis_name)
+        weight_sum, weights = pcast_varying((weight_sum, weights), axis_name)
     bound = _loop_bound(settings.num_real_microbatches, k)
-    acc, weight_sum = lax.fori_loop(0, bound, body, (init, weight_sum))
-    return Looped(kinds, acc, weight_sum, structs, treedef, static)
+    acc, weight_sum, weights = lax.fori_loop(
+        0, bound, body, (init, weight_sum, weights)
+    )
+    return Looped(
+        kinds,
+        acc,
+        weight_sum,
+        weights if weighted else None,
+        bound,
+        structs,
+        treedef,
+        static,
+    )

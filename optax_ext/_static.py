@@ -68,17 +68,44 @@ def _leaf_key(leaf: Any) -> tuple:
     return (kind, leaf)
 
 
+class _Same:
+    """A leaf compared by identity inside a value compared by its contents:
+    equal to a `_Same` of the same object, hashed by its `id` (the
+    `ConfigKey` holding it keeps the object alive)."""
+
+    __slots__ = ("leaf",)
+
+    def __init__(self, leaf: Any):
+        self.leaf = leaf
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.leaf is self.leaf
+
+    def __hash__(self) -> int:
+        return id(self.leaf)
+
+
 def _by_value(value: Any) -> tuple | None:
     """A hashable stand-in for `value` that equal configurations share: its
-    pytree structure and `_leaf_key` of each leaf; `None` where any leaf
-    (or the structure) is compared by identity, and then the whole value
-    is."""
+    pytree structure and, per leaf, `_leaf_key` or, for a leaf compared by
+    identity, the leaf itself (`_Same`). Two containers built apart around
+    the same writeable array or tracer compare equal; a container that
+    cannot be flattened, or whose structure does not hash, gives `None`:
+    the whole value is compared by identity."""
     try:
         leaves, treedef = jax.tree.flatten(value)
-        keys = tuple(_leaf_key(leaf) for leaf in leaves)
-        key = (treedef, keys)
+    except Exception:  # noqa: BLE001 - a node that cannot be flattened
+        return None
+    keys = []
+    for leaf in leaves:
+        try:
+            keys.append(_leaf_key(leaf))
+        except _ByIdentity:
+            keys.append(_Same(leaf))
+    key = (treedef, tuple(keys))
+    try:
         hash(key)
-    except (_ByIdentity, TypeError):
+    except TypeError:
         return None
     return key
 

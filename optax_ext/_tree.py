@@ -131,7 +131,8 @@ def is_weak(x: Any) -> bool:
 
 
 def cast_like(x: jax.Array, like: Any) -> jax.Array:
-    """Returns `x` with the dtype and weak type of `like` (shapes must agree).
+    """Returns `x` with the dtype and weak type of `like`, an array or a
+    `jax.ShapeDtypeStruct` (shapes must agree).
 
     A weakly typed value promotes like a Python scalar: multiplied with a
     bfloat16 array it gives bfloat16, where a strongly typed float32 would
@@ -143,7 +144,15 @@ def cast_like(x: jax.Array, like: Any) -> jax.Array:
         return x
     if not is_weak(like):
         return lax.convert_element_type(x, like.dtype)
-    template = lax.full_like(like, 0, shape=())
+    if isinstance(like, jax.ShapeDtypeStruct):
+        # `lax.full_like` of a struct is strong: start from the weak value a
+        # Python number of that kind gives (its default dtype). A weak type
+        # of another dtype has no public constructor: it comes back strong.
+        template = as_weak(jnp.zeros((), like.dtype))
+        if template.dtype != like.dtype:
+            return lax.convert_element_type(x, like.dtype)
+    else:
+        template = lax.full_like(like, 0, shape=())
     fill = lambda v: lax.full_like(template, v)  # noqa: E731
     # One vmap per axis rather than over a flattened `x`: a reshape of an
     # array sharded over an Explicit mesh axis is a sharding error.

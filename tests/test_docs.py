@@ -417,10 +417,19 @@ def test_api_page_signature_check_sees_a_wrong_default_or_annotation():
 
 def test_reference_page_renders_every_public_name():
     """docs/reference.md holds the mkdocstrings directive of every public
-    name (the site renders their docstrings there)."""
+    name (the site renders their docstrings there), each after a line that
+    names the source file holding the docstring: read outside the site
+    (on GitHub), the directives alone showed nothing."""
     text = (ROOT / "docs" / "reference.md").read_text()
     documented = re.findall(r"^::: optax_ext\.(\w+)$", text, re.MULTILINE)
     assert sorted(documented) == sorted(optax_ext.__all__)
+    for name in documented:
+        source = pathlib.Path(inspect.getsourcefile(getattr(optax_ext, name)))
+        where = str(source.resolve().relative_to(ROOT))
+        pointer = (
+            f"`optax_ext.{name}`: docstring in `{where}`.\n\n::: optax_ext.{name}\n"
+        )
+        assert pointer in text, f"docs/reference.md: {name} lacks {pointer!r}"
 
 
 def test_readme_and_site_nav_list_every_docs_page():

@@ -218,6 +218,36 @@ def test_writeable_numpy_array_compares_by_identity():
     assert build(learning_rate=frozen) == build(learning_rate=other)
 
 
+def test_container_holding_a_writeable_array_compares_by_its_contents():
+    """A mask dict holding a writeable NumPy array (0-d here) was compared
+    by the identity of the copy each optimizer keeps of it, so two
+    optimizers built from the same dict differed, and a jitted step taking
+    the optimizer as a static argument compiled again for each rebuild.
+    Containers are now compared by their contents: each leaf by value, or
+    by identity where it is compared so (the same array, not an equal one).
+    """
+    mask = {"a": np.array(True), "b": np.array(False)}
+    build = optax_ext.inject_hyperparams(optax.adamw)
+    first, again = (build(learning_rate=0.1, mask=mask) for _ in range(2))
+    assert first == again and hash(first) == hash(again)
+    rebuilt = {"a": mask["a"], "b": mask["b"]}  # another dict, the same arrays
+    assert build(learning_rate=0.1, mask=rebuilt) == first
+    fresh = {"a": np.array(True), "b": np.array(False)}  # equal, not the same
+    assert build(learning_rate=0.1, mask=fresh) != first
+
+    traces = []
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def step(opt, params):
+        traces.append(None)
+        return opt.update(params, opt.init(params), params)[0]
+
+    params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    for _ in range(3):
+        step(build(learning_rate=0.1, mask=mask), params)
+    assert len(traces) == 1
+
+
 # -- hypothesis: both laws, and equal means the same jitted result -----------
 
 _KINDS = {

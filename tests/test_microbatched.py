@@ -127,6 +127,43 @@ def test_matches_whole_batch_in_float64(name, jit):
         assert grads.activation is None
 
 
+def loss_python_scale(params, batch):
+    """`loss` times a Python float param: its gradient is weakly typed."""
+    return loss(params, batch) * params["scale"]
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "weighted"])
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_weakly_typed_outputs_stay_weak(jit, weighted):
+    """The gradient of a Python-float leaf is weakly typed; microbatched
+    returned it strongly typed, so a jitted step fed its result compiled once
+    more than for grad_fn's own. Reference: grad_fn on the whole batch in
+    float64 (values), and its own output types at float32."""
+    params, batch = {**_params(), "scale": 1.5}, _data()
+    grad_fn = jax.value_and_grad(loss_python_scale)
+    weight_fn = (lambda p, b: jnp.float32(b[0].shape[0])) if weighted else None
+    fn = optax_ext.microbatched(grad_fn, K, weight_fn=weight_fn)
+    got = (jax.jit(fn) if jit else fn)(params, batch)
+    plain = grad_fn(params, batch)
+    assert plain[1]["scale"].weak_type  # what the test is about
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(plain), strict=True):
+        assert (g.dtype, g.weak_type) == (w.dtype, w.weak_type)
+    with jax.enable_x64(True):
+        want = grad_fn(_f64({**params, "scale": 1.5}), _f64(batch))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        _close(g, w)
+    traces = []
+
+    @jax.jit
+    def step(out):
+        traces.append(None)
+        return jax.tree.map(lambda x: x * 2, out)
+
+    step(plain)
+    step(got)
+    assert len(traces) == 1
+
+
 def loss_int_param(params, batch):
     """`loss` with an integer param (a step counter, say) that scales it."""
     return loss(params, batch) * params["n"]
@@ -152,6 +189,90 @@ def test_float0_gradients_come_back_as_jax_grad_gives_them(jit):
         want64 = jax.grad(loss_int_param, allow_int=True)(_f64(params), _f64(batch))
     for name in ("w", "b", "v"):
         _close(got[name], want64[name])
+
+
+def masked_loss_rows(params, batch):
+    """A masked mean over the batch's rows (`batch[2]` the mask, integer:
+    not differentiated), and each row's own squared error (a per-example
+    value) as aux."""
+    x, y, mask = batch
+    pred = jnp.tanh(x @ params["w"] + params["b"]) @ params["v"]
+    rows = (pred - y) ** 2
+    mask = mask.astype(rows.dtype)
+    return jnp.sum(mask * rows) / jnp.sum(mask), rows
+
+
+def _masked_batch(mask):
+    x, y = _data()
+    return x, y, jnp.asarray(mask, jnp.int32)
+
+
+def _micro_rows(n):
+    """The rows micro-batches 0 .. n-1 hold: index mod K below n."""
+    return (np.arange(N) % K) < n
+
+
+# Micro-batch j holds rows j, j + K, ...: mask counts 8, 3, 0, 5 per
+# micro-batch (weights that differ, and one micro-batch of weight 0).
+MASK = np.stack([np.arange(N // K) < c for c in (8, 3, 0, 5)], axis=1).reshape(N)
+
+
+@pytest.mark.parametrize("case", ["mean", "real_microbatches", "weighted"])
+def test_gradient_with_respect_to_the_batch_is_the_whole_batch_s(case):
+    """`jax.grad(loss, argnums=(0, 1))`: the gradient with respect to the
+    batch came back `k` times the whole batch's (`W / w_j` times with
+    `weight_fn`) under `per_example=True`, since each micro-batch's mean
+    weighs its rows by `k / N`. Marked `"gradient"`, the rows are scaled by
+    their micro-batch's share; per-example values marked `True` come back as
+    they are. Reference: grad_fn on the whole batch (or its real rows) in
+    float64."""
+    weighted = case == "weighted"
+    mask = MASK if weighted else np.ones(N)
+    params, batch = _params(), _masked_batch(mask)
+    grad_fn = jax.value_and_grad(
+        masked_loss_rows, argnums=(0, 1), has_aux=True, allow_int=True
+    )
+    n = 2 if case == "real_microbatches" else K
+    fn = optax_ext.microbatched(
+        grad_fn,
+        K,
+        per_example=((False, True), (False, "gradient")),
+        weight_fn=(lambda p, b: jnp.sum(b[2])) if weighted else None,
+        num_real_microbatches=jnp.int32(n) if n < K else None,
+    )
+    (value, rows), (grads, batch_grads) = jax.jit(fn)(params, batch)
+    real = _micro_rows(n)
+    with jax.enable_x64(True):
+        whole = jax.tree.map(lambda a: a[real], _f64(batch))
+        (want_value, want_rows), (want_grads, want_real) = grad_fn(_f64(params), whole)
+    want_batch_grads = []
+    for g in want_real[:2]:  # x and y; the integer mask's is float0
+        full = np.zeros((N, *g.shape[1:]))
+        full[real] = g
+        want_batch_grads.append(full)
+    _close(value, want_value)
+    assert batch_grads[2].dtype == jax.dtypes.float0
+    for g, w in zip(
+        jax.tree.leaves((grads, batch_grads[:2])),
+        jax.tree.leaves((want_grads, want_batch_grads)),
+        strict=True,
+    ):
+        assert g.dtype == jnp.float32
+        _close(g, w)
+    _close(rows[real], want_rows)
+    np.testing.assert_array_equal(np.asarray(rows[~real]), 0.0)
+
+
+def test_per_example_marks_are_checked():
+    with pytest.raises(TypeError, match=r"per_example must be .*'gradient'.*'rows'"):
+        optax_ext.microbatched(jax.grad(loss), K, per_example=(False, "rows"))
+
+    def with_signs(params, batch):  # an integer output with a row per example
+        return jax.grad(loss)(params, batch), (batch[0][:, 0] > 0).astype(jnp.int32)
+
+    fn = optax_ext.microbatched(with_signs, K, per_example=(False, "gradient"))
+    with pytest.raises(TypeError, match=r"\[1\] as 'gradient'.*int32"):
+        fn(_params(), _data())
 
 
 def test_integer_and_bool_aux_combine_over_the_whole_batch():
@@ -250,6 +371,44 @@ def test_key_is_split_per_microbatch():
     for name in params:
         _close(got[name], want[name])
     assert not np.allclose(got["w"], same["w"], rtol=1e-3)
+
+
+def _dropout_loss(params, batch, key):
+    x, y = batch
+    h = jnp.tanh(x @ params["w"] + params["b"])
+    keep = jax.random.uniform(key, h.shape, jnp.float32) < 0.5
+    pred = jnp.where(keep, h / 0.5, 0.0) @ params["v"]
+    return jnp.mean((pred - y) ** 2)
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg", "unsafe_rbg"])
+def test_raw_key_of_every_prng_implementation_is_accepted(impl):
+    """A raw `jax.random.PRNGKey(0)` is uint32 `(4,)` under the rbg
+    implementations (common on TPU): it was refused, by its shape, with an
+    error asking for `jax.random.PRNGKey(...)`. Reference: the float64 mean
+    of grad_fn on each micro-batch with `split(key, k)[j]`, under the same
+    implementation; a batch of raw keys is still refused."""
+    with jax.default_prng_impl(impl):
+        params, batch, key = _params(), _data(), jax.random.PRNGKey(3)
+        fn = optax_ext.microbatched(jax.grad(_dropout_loss), K, key_argnum=2)
+        got = jax.jit(fn)(params, batch, key)
+        keys = jax.random.split(key, K)
+        with jax.enable_x64(True):
+            micro = [
+                jax.grad(_dropout_loss)(
+                    _f64(params),
+                    _f64(jax.tree.map(lambda a, j=j: a[j::K], batch)),
+                    keys[j],
+                )
+                for j in range(K)
+            ]
+            want = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *micro)
+        for name in params:
+            _close(got[name], want[name])
+        with pytest.raises(
+            TypeError, match=rf"argument 2 \(key_argnum\).*{impl}.*shape \(2, "
+        ):
+            fn(params, batch, jax.random.split(key, 2))
 
 
 def test_batch_at_other_positions_and_several_arguments():

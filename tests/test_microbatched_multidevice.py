@@ -184,3 +184,54 @@ def test_unbound_axis_name_is_an_error():
     fn = optax_ext.microbatched(jax.grad(loss), K, axis_name="data")
     with pytest.raises(ValueError, match=r"axis_name='data'.*set_mesh"):
         fn(params, batch)
+
+
+def masked_loss(params, batch):
+    """A masked mean over the rows (`batch[2]`, integer: not differentiated)."""
+    x, y, mask = batch
+    rows = (jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2
+    mask = mask.astype(rows.dtype)
+    return jnp.sum(mask * rows) / jnp.sum(mask)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "weighted"])
+@pytest.mark.parametrize("mode", ["explicit", "auto", "shard_map"])
+def test_gradient_with_respect_to_the_batch_is_the_whole_batch_s(mode, weighted):
+    """Marked `"gradient"`, the gradient with respect to a batch sharded
+    over 8 devices is the whole batch's: each micro-batch's rows scaled by
+    `1 / (k * 8)`, or by its weight over the weights' sum on all devices.
+    Reference: grad_fn on the whole batch in float64."""
+    params, (x, y) = _problem()
+    mask = np.ones(N, np.int32)
+    if weighted:  # uneven weights; some micro-batches of weight 0
+        mask = (np.random.default_rng(0).random(N) < 0.4).astype(np.int32)
+        mask[: N // 2 : 2] = 0
+    batch = (x, y, jnp.asarray(mask))
+    grad_fn = jax.grad(masked_loss, argnums=(0, 1), allow_int=True)
+    kwargs = dict(
+        per_example=(False, "gradient"),
+        weight_fn=(lambda p, b: jnp.sum(b[2])) if weighted else None,
+    )
+    mesh = _mesh("Auto" if mode == "auto" else "Explicit")
+
+    def floats(out):  # the float0 gradient of the mask stays out
+        grads, (dx, dy, _) = out
+        return grads, (dx, dy)
+
+    with jax.set_mesh(mesh):
+        batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        if mode == "shard_map":
+            inner = optax_ext.microbatched(grad_fn, K, axis_name="data", **kwargs)
+            fn = jax.shard_map(
+                lambda p, b: floats(inner(p, b)),
+                in_specs=(P(), P("data")),
+                out_specs=(P(), P("data")),
+            )
+        else:
+            axis_name = "data" if mode == "auto" else None
+            fn = optax_ext.microbatched(grad_fn, K, axis_name=axis_name, **kwargs)
+            fn = lambda p, b, fn=fn: floats(fn(p, b))  # noqa: E731
+        got = jax.jit(fn)(params, batch)
+    with jax.enable_x64(True):
+        want = floats(grad_fn(_f64(params), _f64((x, y, jnp.asarray(mask)))))
+    _assert_close(got, want)
