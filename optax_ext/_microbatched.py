@@ -252,7 +252,7 @@ def microbatched(
 
     **Numerics:** floating outputs are kept as a running mean,
     `acc + (g - acc) / (j + 1)` with the first micro-batch's value selected,
-    computed by the same function as `MultiSteps`' (`_accumulation.fold`),
+    computed by the same function as `MultiSteps`' (`_accumulate.arithmetic.fold`),
     so the two give the same bits on the same micro-batches. Each output
     accumulates in the least dtype holding both its dtype and
     `accumulator_dtype` (`MultiSteps`' rule): float32 for bfloat16 and

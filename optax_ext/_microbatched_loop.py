@@ -2,7 +2,7 @@
 micro-batches (rows `j, j + k, ...`), `grad_fn` called on each in a
 `lax.fori_loop`, and each output leaf folded into its accumulator by kind
 (mean, weighted mean, sum, any, per-example rows, rows of a gradient with
-respect to the batch) with `_accumulation`'s arithmetic. What happens across
+respect to the batch) with `_accumulate.arithmetic`'s arithmetic. What happens across
 devices after the loop is `_microbatched_devices`'.
 """
 

@@ -2,7 +2,7 @@
 its entry. What `MultiSteps` checks of its arguments and inputs, each with an
 error that names the argument, what was passed and what is expected: the
 window length, the state, the skip function's output, and the gradients
-against the accumulator (whose dtype rule is `_accumulation`'s).
+against the accumulator (whose dtype rule is `_accumulate.arithmetic`'s).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`MultiSteps(..., weighted=True)`: its state, the `weight=` of a
 mini-step, and the window's running weight. Each mini-step's gradient is
 folded with its weight `w` as `acc + (g - acc) / (W / w)`, `W` the window's
-running weight (`_accumulation.fold_weighted`); a weight-0 mini-step is not
+running weight (`_accumulate.arithmetic.fold_weighted`); a weight-0 mini-step is not
 read (`docs/multi_steps.md`, "Uneven micro-batches").
 """
 
