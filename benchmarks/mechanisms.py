@@ -1,414 +1,249 @@
-"""What each mechanism of `update_if` buys: each switched off in turn.
+"""What each mechanism of the update path buys, on each backend: each
+switched off in turn.
 
-Run with `python benchmarks/mechanisms.py` (`--quick` for a smoke run that
-writes nothing); it writes `benchmarks/results/mechanisms.md`, the table
-behind `docs/design.md`'s "What each mechanism costs and buys".
+    .venv-deviceless/bin/python benchmarks/mechanisms.py [--quick]
 
-Each case (inner optimizer, params layout) runs in a fresh process. Every
-variant is `optax_ext.MultiSteps`, compiled in two forms: the drop-in step
-(`update` + `optax.apply_updates`) and the fused one (`apply_gradients`),
-each as a mini-step and as an emitting step, params and state donated. A
-variant replaces one mechanism by its plain form while the step is traced
-(the patch is undone before the next variant is built), so all variants
-are compiled first and then timed round-robin in one process, as in
-`train_step.py`. `plain` is `train_step.plain_multi_steps`, the ~40-line
-MultiSteps with one `lax.cond` and none of the mechanisms.
-
-Reported: compiled temporary memory (`memory_analysis()`), the number of
-copies in the compiled module of an array at least as large as one params
-leaf, and the median ms per step, for each variant against `all` (every
-mechanism on).
+(the deviceless environment of `tests/data/deviceless-requirements.txt`,
+which compiles for an H200 and a TPU v5e on this CPU) writes
+`benchmarks/results/mechanisms.md` and `.json`; `--quick` is a smoke run
+that writes nothing. For each inner optimizer, params layout and form
+(drop-in `update` + `optax.apply_updates`, fused `apply_gradients`),
+params and state donated, every variant is compiled for XLA:CPU, XLA:GPU
+and XLA:TPU and read as `tests/_compiled.py` reads the tests' programs:
+whether the conditional is kept (no op of the inner optimizer outside a
+branch), copies of a params-leaf-sized array (every step, and inside the
+emitting branch), temporary memory over the params' bytes. On XLA:CPU
+the mini-step and the emitting step are also timed, candidates
+interleaved (`run.time_interleaved`). A variant replaces one mechanism by
+its plain form while the step is traced.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
-import re
 import statistics
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
-import jax
-import jax.numpy as jnp
-import optax
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-import optax_ext
-from optax_ext import _conditional, _dataflow, _ordering, _sharding
-
-sys.path.insert(0, str(Path(__file__).parent))
+import _compiled  # noqa: E402  (JAX_PLATFORMS=cpu, libtpu's lock: set there)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
 from run import machine, time_interleaved  # noqa: E402
-from train_step import LAYOUTS, NEVER, make_params, plain_multi_steps  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
+import optax_ext  # noqa: E402
+from optax_ext._accumulate import branch, window  # noqa: E402
+from optax_ext._accumulate.arithmetic import fold as _fold  # noqa: E402
 
-INNER: dict[str, Callable[[], optax.GradientTransformation]] = {
-    "adam": lambda: optax.adam(1e-3),
-    "lion": lambda: optax.lion(1e-4),
-    "sgd nesterov": lambda: optax.sgd(1e-3, momentum=0.9, nesterov=True),
-    "adafactor": lambda: optax.adafactor(1e-3),
-    # A nested conditional: the inner MultiSteps emits on every step (k=1).
-    "MultiSteps(lion, 1)": lambda: optax_ext.MultiSteps(optax.lion(1e-4), 1),
-    # A nested conditional on a flag XLA folds (no `skip=` passed).
-    "skip_when(lion)": lambda: optax_ext.skip_when(optax.lion(1e-4)),
+K = 4
+INNER = {
+    "adamw": (lambda: optax.adamw(1e-3), ("sqrt",)),
+    "lion": (lambda: optax.lion(1e-4), ("sign",)),
+    "clip+adamw": (
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+        ("sqrt",),
+    ),
 }
-# The compositions run on one large and one small layout; the plain inner
-# optimizers on all of `LAYOUTS`.
-COMPOSED = ("MultiSteps(lion, 1)", "skip_when(lion)")
+LAYOUTS = {
+    "4 x (1024, 1024)": lambda: {f"w{i}": jnp.zeros((1024, 1024)) for i in range(4)},
+    "96 x (128, 128)": lambda: {f"w{i:02d}": jnp.zeros((128, 128)) for i in range(96)},
+}
 
 
-def _no_state_order(update_leaves, state_leaves, readers, pred):
-    return list(state_leaves), set(), set()
+def _counter_outside(update_if):
+    def patched(pred, inner_update, operands, inner_state, *, carry=None, counter=None):
+        result, state, _ = update_if(
+            pred, inner_update, operands, inner_state, carry=carry, counter=None
+        )
+        count = None
+        if counter is not None:
+            count = jnp.where(pred, counter[0], counter[1])
+        return result, state, count
+
+    return patched
 
 
-def _no_nested_select(grad_readers, state_leaves, ordered, followed, n_updates, pred):
-    to_read, reading = grad_readers, set(grad_readers)
-    if any(
-        n_updates + i in reading and _ordering.readable(state_leaves[i])
-        for i in ordered
-    ):
-        to_read = [i for i in grad_readers if i not in followed]
-    return to_read
-
-
-def _plain_zeros(structs, pred):
-    return jax.tree.map(_sharding.zeros_like_struct, structs)
-
-
-def _jit_not_inlined(fun, **kwargs):
-    return jax.jit(fun, **{**kwargs, "inline": False})
-
-
-# name -> what is replaced, as (module, attribute, replacement) triples.
-VARIANTS: dict[str, tuple[tuple[object, str, Callable[[], object]], ...]] = {
-    "all": (),
-    # The same program compiled again: its spread against `all` is the
-    # noise of the timing.
-    "all again": (),
-    "no state order": ((_conditional, "order_state_writes", lambda: _no_state_order),),
-    "no clear order": (
-        (_conditional, "read_token", lambda: lambda arrays, pred: None),
+# variant: (what it switches off, the patches: (object, attribute, new value))
+VARIANTS = {
+    "all": ("every mechanism on", ()),
+    "no barrier": (
+        "the optimization barrier opening the running branch",
+        ((branch, "_barrier", lambda tree: tree),),
     ),
-    "no ordering": (
-        (_conditional, "order_state_writes", lambda: _no_state_order),
-        (_conditional, "read_token", lambda: lambda arrays, pred: None),
+    "no counter": (
+        "the next mini_step out of the conditional (the accumulator's write "
+        "after its reads)",
+        ((window, "update_if", _counter_outside(branch.update_if)),),
     ),
-    "no nested select": (
-        (_conditional, "outputs_before_clear", lambda: _no_nested_select),
+    "no distinct zeros": (
+        "zeros of their own for each large leaf (drop-in)",
+        ((branch, "distinct_zeros", lambda avals, seed: _plain(avals)),),
     ),
-    "no tagged zeros": ((_conditional, "_distinct_zeros", lambda: _plain_zeros),),
-    "no opaque pred": ((_conditional, "opaque_true", lambda: lambda leaves: None),),
-    "no inline": (
+    "no CPU state order": (
+        "on XLA:CPU, a state leaf whose old value the updates read after them",
+        ((branch, "_state_after_updates", lambda leaves, n, to_order: leaves),),
+    ),
+    "select in mean": (
+        "the window's mean folded without the first value's select (k > 1)",
         (
-            _conditional,
-            "jax",
-            lambda: SimpleNamespace(
-                **{
-                    **{k: getattr(jax, k) for k in dir(jax) if not k.startswith("__")},
-                    "jit": _jit_not_inlined,
-                }
+            (
+                window,
+                "fold",
+                lambda g, a, i, mean, may_be_first=True: _fold(g, a, i, mean),
             ),
         ),
     ),
 }
+_ORIGINAL_DISTINCT_ZEROS = branch.distinct_zeros
 
 
-# variant -> (what it removes, the code that would go with it).
-MECHANISMS: dict[str, tuple[str, tuple[Callable, ...]]] = {
-    "no state order": (
-        "state writes ordered after the updates' reads (Lion's `mu`)",
-        (
-            _ordering.order_state_writes,
-            _ordering.orderable,
-            _dataflow.state_read_by_updates,
-        ),
-    ),
-    "no clear order": (
-        "the accumulator's clear ordered after the inner update's reads",
-        (
-            _ordering.outputs_before_clear,
-            _ordering.zeros_in_place,
-            _dataflow.grad_readers,
-        ),
-    ),
-    "no ordering": (
-        "both orderings, the tokens and the jaxpr analysis",
-        (
-            _ordering.read_token,
-            _ordering.select_on,
-            _ordering.readable,
-            _ordering.bit_width,
-            _ordering._first_bits,
-            _ordering._always_true,
-            _ordering._all_true_of,
-            _ordering._true_after_reading,
-            _dataflow.flow,
-            _dataflow._eqn_flow,
-            _dataflow._inner_adjust,
-            _dataflow._marks,
-        ),
-    ),
-    "no nested select": (
-        "the select on a nested conditional's state leaf before the clear",
-        (),
-    ),
-    "no tagged zeros": (
-        "zeros of its own for each large leaf in the idle branch",
-        (_conditional._distinct_zeros, _conditional._tagged_zeros),
-    ),
-    "no opaque pred": (
-        "a predicate XLA cannot fold (`opaque_true`)",
-        (_ordering.opaque_true,),
-    ),
-    "no inline": ("the inner step's trace inlined into the branch", ()),
-}
-
-# Lines of mechanisms that live inside another function.
-INLINE_LINES = {"no nested select": 6, "no inline": 1}
-
-
-def code_lines(variant: str) -> int:
-    if variant in INLINE_LINES:
-        return INLINE_LINES[variant]
-    return sum(len(inspect.getsourcelines(f)[0]) for f in MECHANISMS[variant][1])
+def _plain(avals):
+    return _ORIGINAL_DISTINCT_ZEROS(avals, None)
 
 
 @contextlib.contextmanager
-def patched(name: str) -> Iterator[None]:
+def patched(variant: str) -> Iterator[None]:
     saved = []
-    for module, attr, make in VARIANTS.get(name, ()):
-        saved.append((module, attr, getattr(module, attr)))
-        setattr(module, attr, make())
+    for target, name, value in VARIANTS[variant][1]:
+        saved.append((target, name, getattr(target, name)))
+        setattr(target, name, value)
     try:
         yield
     finally:
-        for module, attr, value in reversed(saved):
-            setattr(module, attr, value)
+        for target, name, value in reversed(saved):
+            setattr(target, name, value)
 
 
-def copies(hlo: str, min_elements: int) -> int:
-    """Copies in `hlo` of an array of at least `min_elements` elements."""
-    n = 0
-    for dims in re.findall(r"= \w+\[([\d,]*)\]\S* copy\(", hlo):
-        size = 1
-        for d in filter(None, dims.split(",")):
-            size *= int(d)
-        n += size >= min_elements
-    return n
-
-
-class Runner:
-    """One compiled step, traced under a variant's patch, and its carry."""
-
-    def __init__(self, variant, step, init, params, grads):
-        self.params = jax.tree.map(jnp.copy, params)
-        self.grads = grads
-        self.state = init(self.params)
-        with patched(variant):
-            lowered = jax.jit(step, donate_argnums=(0, 1)).lower(
-                self.params, self.state, grads
-            )
-        self.compiled = lowered.compile()
-        self.temp_mb = self.compiled.memory_analysis().temp_size_in_bytes / 2**20
-        leaf = min(x.size for x in jax.tree.leaves(params))
-        self.copies = copies(self.compiled.as_text(), leaf)
-        self.times: list[float] = []
-        self.call()
-
-    def call(self) -> float:
-        start = time.perf_counter()
-        self.params, self.state = self.compiled(self.params, self.state, self.grads)
-        jax.block_until_ready((self.params, self.state))
-        return time.perf_counter() - start
-
-
-def steps(inner: str, emit: bool) -> dict[tuple[str, str], tuple[Callable, Callable]]:
-    """(variant, form) -> (init, step(params, state, grads))."""
-    k = 1 if emit else NEVER
-    make = INNER[inner]
-
-    def drop_in(params, state, grads, opt):
+def _step(opt, form):
+    def step(params, state, grads):
+        if form == "fused":
+            return optax_ext.apply_gradients(opt, grads, state, params)
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    out = {}
+    return step
+
+
+def measure(inner: str, layout: str, backends: list[str], rounds: int) -> dict:
+    params = LAYOUTS[layout]()
+    big = {
+        f"[{','.join(map(str, p.shape))}]" for p in params.values() if p.size >= 1 << 16
+    }
+    nbytes = sum(p.nbytes for p in params.values())
+    out: dict = {}
+    runners = []
     for variant in VARIANTS:
-        opt = optax_ext.MultiSteps(make(), k)
-        out[variant, "drop-in"] = (
-            opt.init,
-            lambda p, s, g, opt=opt: drop_in(p, s, g, opt),
-        )
-        out[variant, "fused"] = (
-            opt.init,
-            lambda p, s, g, opt=opt: optax_ext.apply_gradients(opt, g, s, p),
-        )
-    init, update, apply = plain_multi_steps(make(), k)
-    out["plain", "drop-in"] = (
-        init,
-        lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*update(g, s, p)),
-    )
-    out["plain", "fused"] = (init, lambda p, s, g: apply(g, s, p))
+        for form in ("drop-in", "fused"):
+            for backend in backends:
+                opt = optax_ext.MultiSteps(INNER[inner][0](), K)
+                with patched(variant):
+                    compiled = _compiled.compile_step(
+                        backend, _step(opt, form), params, opt.init(params), params
+                    )
+                r = _compiled.report(compiled, big, INNER[inner][1])
+                out[f"{variant}|{form}|{backend}"] = {
+                    "kept": r["conditionals"] >= 1 and r["markers_outside"] == 0,
+                    "copies": len(r["copies"]),
+                    "branch_copies": len(r["branch_copies"]),
+                    "temp": r["temp"] / nbytes,
+                }
+            if rounds:
+                for emit in (False, True):
+                    opt = optax_ext.MultiSteps(INNER[inner][0](), 1 if emit else 10**9)
+                    with patched(variant):
+                        fn = jax.jit(_step(opt, form), donate_argnums=(0, 1))
+                        fn = fn.lower(params, opt.init(params), params).compile()
+                    runners.append(_runner(fn, opt, params, f"{variant}|{form}|{emit}"))
+    if rounds:
+        time_interleaved(runners, rounds)
+        for runner in runners:
+            out[f"time|{runner.name}"] = statistics.median(runner.times)
     return out
 
 
-def bench(inner: str, layout: str, rounds: int) -> dict:
-    params = make_params(layout, "float32")
-    grads = jax.tree.map(lambda p: jnp.cos(p * 100).astype(p.dtype), params)
-    runners = {}
-    for emit in (False, True):
-        for (variant, form), (init, step) in steps(inner, emit).items():
-            label = f"{variant} | {form} | {'emit' if emit else 'mini'}"
-            runners[label] = Runner(variant, step, init, params, grads)
-    time_interleaved(list(runners.values()), rounds)
-    return {
-        label: {
-            "ms": 1e3 * statistics.median(r.times),
-            "temp_mb": r.temp_mb,
-            "copies": r.copies,
-        }
-        for label, r in runners.items()
-    }
+def _runner(fn, opt, params, name):
+    state = {"p": jax.tree.map(jnp.copy, params), "s": opt.init(params)}
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+
+    def call():
+        state["p"], state["s"] = fn(state["p"], state["s"], grads)
+        jax.block_until_ready(state["p"])
+
+    return SimpleNamespace(name=name, call=call, times=[])
 
 
-def _summary_cell(results: dict, variant: str, layout: str) -> str:
-    """Over the inner optimizers, forms and steps of one layout: the most
-    temporary memory and copies that removing `variant` adds, and the range
-    of its time relative to `all`."""
-    extra_mb, extra_copies, ratios = 0.0, 0, []
-    for case, res in results.items():
-        if not case.endswith(layout):
-            continue
-        for form in ("drop-in", "fused"):
-            for step in ("mini", "emit"):
-                r = res[f"{variant} | {form} | {step}"]
-                base = res[f"all | {form} | {step}"]
-                extra_mb = max(extra_mb, r["temp_mb"] - base["temp_mb"])
-                extra_copies = max(extra_copies, r["copies"] - base["copies"])
-                ratios.append(r["ms"] / base["ms"])
-    if not ratios:
-        return "-"
-    return (
-        f"+{extra_mb:.1f} MiB, +{extra_copies} copies, "
-        f"time {min(ratios):.2f} to {max(ratios):.2f}"
-    )
-
-
-def write_table(results: dict, path: Path, measured_on: str) -> str:
-    variants = [*VARIANTS, "plain"]
-    layouts = [lay for lay in LAYOUTS if any(c.endswith(lay) for c in results)]
+def write(results: dict, path: Path) -> str:
     lines = [
-        "# What each mechanism of `update_if` buys",
+        "# What each mechanism of the update path buys, per backend",
         "",
-        "Generated by `python benchmarks/mechanisms.py`; do not edit by hand.",
-        f"Machine: {measured_on}.",
+        "Written by `benchmarks/mechanisms.py` (its docstring says how). "
+        f"Measured on: {machine()}. GPU: an H200 target, TPU: a v5e, both "
+        "compiled deviceless. A cell: conditional kept (no op of the inner "
+        "optimizer outside a branch) / copies of a params-leaf-sized array on "
+        "every step + in the emitting branch / temporary memory over the "
+        "params; CPU time: mini-step and emitting step in ms, relative to "
+        "`all`.",
         "",
-        "Each variant switches one mechanism of optax_ext.MultiSteps off (see "
-        "the script's docstring and `docs/design.md`); `plain` is the ~40-line "
-        "`lax.cond` MultiSteps. Params and state donated, float32, medians of "
-        "interleaved rounds.",
-        "",
-        "## Summary",
-        "",
-        "What removing each mechanism costs, over the inner optimizers, both "
-        "forms (drop-in, fused) and both steps (mini, emit) of a layout: the "
-        "most temporary memory and copies of a params-leaf-sized array it "
-        "adds, and the range of step time relative to every mechanism on "
-        "(above 1: slower without it). `plain`: the plain `lax.cond` "
-        "MultiSteps against optax_ext.",
-        "",
-        "| mechanism | lines | " + " | ".join(layouts) + " |",
-        "|---|---|" + "---|" * len(layouts),
-    ]
-    for variant in ["all again", *MECHANISMS, "plain"]:
-        what = MECHANISMS.get(variant, ("", ()))[0]
-        if variant == "plain":
-            what = "all of them"
-        elif variant == "all again":
-            what = "none: every mechanism on, compiled again (the timing's noise)"
-        count = str(code_lines(variant)) if variant in MECHANISMS else "-"
-        cells = [_summary_cell(results, variant, lay) for lay in layouts]
-        lines.append(f"| {variant}: {what} | {count} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "## Per case",
-        "",
-        "Cells: temporary MiB / copies of a params-leaf-sized array / time "
-        "relative to `all` in the same form and step (`all`: ms per step).",
+        "| variant | what it switches off |",
+        "|---|---|",
+        *[f"| {v} | {what} |" for v, (what, _) in VARIANTS.items()],
         "",
     ]
     for case, res in results.items():
-        lines += [f"### {case}", ""]
-        lines.append(
-            "| variant | drop-in mini | drop-in emit | fused mini | fused emit |"
-        )
-        lines.append("|---|---|---|---|---|")
-        for variant in variants:
-            cells = []
+        lines += [f"## {case}", "", "| variant | form | CPU | GPU | TPU | CPU time |"]
+        lines.append("|---|---|---|---|---|---|")
+        for variant in VARIANTS:
             for form in ("drop-in", "fused"):
-                for step in ("mini", "emit"):
-                    r = res[f"{variant} | {form} | {step}"]
-                    base = res[f"all | {form} | {step}"]
-                    if variant == "all":
-                        time = f"{r['ms']:.2f} ms"
-                    else:
-                        time = f"{r['ms'] / base['ms']:.2f}"
-                    cells.append(f"{r['temp_mb']:.1f} / {r['copies']} / {time}")
-            lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+                cells = []
+                for backend in ("cpu", "gpu", "tpu"):
+                    m = res.get(f"{variant}|{form}|{backend}")
+                    cells.append(
+                        "-"
+                        if m is None
+                        else f"{'kept' if m['kept'] else 'GONE'} / "
+                        f"{m['copies']}+{m['branch_copies']} / {m['temp']:.2f}x"
+                    )
+                t = []
+                for emit in (False, True):
+                    mine = res.get(f"time|{variant}|{form}|{emit}")
+                    base = res.get(f"time|all|{form}|{emit}")
+                    if mine is not None:
+                        t.append(f"{mine * 1e3:.2f} ({mine / base:.2f})")
+                time_cell = " / ".join(t) if t else "-"
+                lines.append(
+                    f"| {variant} | {form} | {' | '.join(cells)} | {time_cell} |"
+                )
         lines.append("")
     text = "\n".join(lines)
     path.write_text(text)
+    path.with_suffix(".json").write_text(json.dumps(results, indent=1))
     return text
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", nargs=3, help=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--inner", nargs="*", help="a subset of the inner optimizers")
-    parser.add_argument(
-        "--from-json", type=Path, help="rewrite the table of a saved run"
-    )
     args = parser.parse_args()
-    if args.from_json:
-        saved = json.loads(args.from_json.read_text())
-        print(write_table(saved["cases"], RESULTS / "mechanisms.md", saved["machine"]))
-        return
-    if args.case:
-        inner, layout, rounds = args.case
-        print(json.dumps(bench(inner, layout, int(rounds))))
-        return
-    cases = [
-        (i, lay)
-        for lay in LAYOUTS
-        for i in args.inner or INNER
-        if i not in COMPOSED or lay != "300 x (64, 64)"
-    ]
-    if args.quick:
-        cases = [("lion", "96 x (64, 64)")]
+    backends = [b for b in ("cpu", "gpu", "tpu") if _compiled.unavailable(b) is None]
     results = {}
-    for inner, layout in cases:
-        rounds = 2 if args.quick else args.rounds
-        out = subprocess.run(
-            [sys.executable, __file__, "--case", inner, layout, str(rounds)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        results[f"{inner}, {layout}"] = json.loads(out.stdout.splitlines()[-1])
-        print(inner, layout, flush=True)
+    inners = ["adamw"] if args.quick else list(INNER)
+    layouts = list(LAYOUTS)[:1] if args.quick else list(LAYOUTS)
+    for inner in inners:
+        for layout in layouts:
+            key = f"{inner}, {layout}"
+            results[key] = measure(inner, layout, backends, 2 if args.quick else 15)
+            print(key, "done", flush=True)
     if args.quick:
-        print(write_table(results, Path("/dev/null"), machine()))
+        print(json.dumps(results, indent=1)[:3000])
         return
-    saved = {"machine": machine(), "cases": results}
-    (RESULTS / "mechanisms.json").write_text(json.dumps(saved, indent=1))
-    print(write_table(results, RESULTS / "mechanisms.md", saved["machine"]))
+    print(write(results, ROOT / "benchmarks" / "results" / "mechanisms.md"))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ each for the backend it names.
 The GPU and TPU programs are compiled here without either ("deviceless",
 `tests/_compiled.py`); these tests skip where that compiler is missing,
 except under `.ci/run`, which builds it and makes a missing one fail.
-On XLA:GPU and XLA:TPU, for every inner optimizer, layout and dtype here:
+For every inner optimizer, layout and dtype here (XLA:CPU too, but where
+said):
 
 - a mini-step runs no op of the inner optimizer: they are all inside a
   conditional branch (XLA:GPU turns a conditional of cheap ops into
@@ -102,13 +103,23 @@ INNER = {
     ),
 }
 # The whole matrix on the large leaves; the GPT-2-like tree (slower to
-# compile) with the optimizers that differ most.
+# compile) with the optimizers that differ most. Each case's tests run in
+# one process (`xdist_group`), which compiles each program once.
 CASES = [
-    (layout, inner, dtype)
+    pytest.param(
+        layout, inner, dtype, marks=pytest.mark.xdist_group(f"{layout}-{inner}-{dtype}")
+    )
     for layout in LAYOUTS
     for inner in INNER
     for dtype in ("float32", "bfloat16")
-    if layout == "4 large" or inner in ("adamw", "lion", "clip+adamw")
+    if layout == "4 large"
+    or (inner, dtype)
+    in {
+        ("adamw", "float32"),
+        ("adamw", "bfloat16"),
+        ("lion", "float32"),
+        ("clip+adamw", "float32"),
+    }
 ]
 
 
@@ -167,7 +178,7 @@ def _check(backend, layout, inner, dtype, form, weighted=False):
 
 @pytest.mark.parametrize("form", ["fused", "drop-in"])
 @pytest.mark.parametrize("layout,inner,dtype", CASES)
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_mini_step_runs_no_inner_optimizer(backend, layout, inner, dtype, form):
     """Every op of the inner optimizer is inside a conditional branch (and
     there are some: the check is not vacuous), and no params-leaf-shaped
@@ -180,6 +191,11 @@ def test_mini_step_runs_no_inner_optimizer(backend, layout, inner, dtype, form):
     assert got["conditionals"] >= 1, got
     assert got["markers_outside"] == 0, got
     assert got["markers_inside"] >= 1, got
+    if (backend, inner, dtype, form) == ("cpu", "lion", "float32", "drop-in"):
+        pytest.xfail(
+            "XLA:CPU copies Lion's float32 moment on every drop-in step "
+            "(the fused step does not): docs/performance.md"
+        )
     assert got["copies"] == [], got["copies"]
     if backend == "gpu":
         assert got["branch_copies"] == [], got["branch_copies"]
@@ -202,6 +218,10 @@ def temp_bound(backend, inner, dtype, form, bare_temp, params_bytes):
         # The inner MultiSteps' own conditional takes the window's mean as
         # an operand: a buffer, in the accumulator's float32.
         slack += 4 / jnp.dtype(dtype).itemsize
+    if backend == "cpu" and jnp.dtype(dtype).itemsize < 4:
+        # XLA:CPU rounds the float32 mean to the half-precision gradients'
+        # dtype in a loop of its own: written out once, as it did before this design.
+        slack += 1.0
     if form == "drop-in":
         slack += 1.0  # the zero updates it returns
     return bare_temp + slack * params_bytes
@@ -209,7 +229,7 @@ def temp_bound(backend, inner, dtype, form, bare_temp, params_bytes):
 
 @pytest.mark.parametrize("form", ["fused", "drop-in"])
 @pytest.mark.parametrize("layout,inner,dtype", CASES)
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_temporary_memory_of_the_bare_step(backend, layout, inner, dtype, form):
     """Temporary memory at most the bare inner optimizer's train step's plus
     2% of the params' bytes (`temp_bound` says what more a chain that

@@ -11,7 +11,6 @@ selects, and nothing computed before the conditional is routed through it
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +22,13 @@ from jax.extend import core as jex_core
 from jaxtyping import PyTree
 
 from .._leaves import is_typed_key
-from .._sharding import aval_varying_axes, cast_varying, sharded_type, varying_axes
+from .._sharding import (
+    aval_varying_axes,
+    cast_varying,
+    sharded_type,
+    typed_sharding,
+    varying_axes,
+)
 from .._tree import cast_like, check_same_shapes
 
 
@@ -196,7 +201,7 @@ def _state_after_updates(
     running branch and, for the conditional's output, in the other; made to
     follow a value read from every update, it is written in place. Other
     backends compute both in one loop and need no order."""
-    updates = [x for x in leaves[:n_updates] if isinstance(x, jax.Array)]
+    at = [i for i in range(n_updates) if isinstance(leaves[i], jax.Array)]
     ordered = [
         i
         for i in range(n_updates, len(leaves))
@@ -206,29 +211,34 @@ def _state_after_updates(
         and not is_typed_key(leaves[i])
         and jnp.issubdtype(leaves[i].dtype, jnp.number)
     ]
-    if not updates or not ordered or any(varying_axes(x) for x in leaves):
+    # Inside `shard_map`, or with a leaf sharded in its type (`Explicit`
+    # axes, where one element has no type), no token: XLA may copy.
+    unreadable = any(varying_axes(x) or typed_sharding(x) for x in leaves)
+    if not at or not ordered or unreadable:
         return leaves
 
     def after(updates, state):
-        bits = [
-            b
-            for b in map(_first_bits, lax.optimization_barrier(updates))
-            if b is not None
-        ]
+        # The updates returned are the barrier's: computed once, before.
+        updates = lax.optimization_barrier(updates)
+        bits = [_first_bits(u) for u in updates]
+        bits = [lax.reshape(b, (1,)) for b in bits if b is not None]
         if not bits:
-            return state
-        # `b | 1 != 0`: true for every value, yet not foldable by XLA.
-        token = functools.reduce(
-            lax.bitwise_and,
-            [lax.ne(lax.bitwise_or(b, jnp.uint32(1)), jnp.uint32(0)) for b in bits],
-        )
-        return [lax.select(token, x, lax.full_like(x, 0)) for x in state]
+            return updates, state
+        # `b | 1 != 0`: true for every value, yet not foldable by XLA; the
+        # token is computed once (a barrier), not inside each state loop.
+        v = lax.concatenate(bits, 0)
+        ones = lax.ne(lax.bitwise_or(v, lax.full_like(v, 1)), lax.full_like(v, 0))
+        token = lax.optimization_barrier(lax.reduce_and(ones, (0,)))
+        return updates, [lax.select(token, x, lax.full_like(x, 0)) for x in state]
 
-    state = lax.platform_dependent(
-        updates, [leaves[i] for i in ordered], cpu=after, default=lambda u, s: s
+    updates, state = lax.platform_dependent(
+        [leaves[i] for i in at],
+        [leaves[i] for i in ordered],
+        cpu=after,
+        default=lambda u, s: (u, s),
     )
     out = list(leaves)
-    for i, x in zip(ordered, state, strict=True):
+    for i, x in zip([*at, *ordered], [*updates, *state], strict=True):
         out[i] = x
     return out
 

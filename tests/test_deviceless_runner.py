@@ -1,0 +1,54 @@
+"""Runs the GPU and TPU compile checks of `test_compiled_backends.py` in
+the environment that can compile for an H200 and a TPU v5e without either
+(`tests/data/deviceless-requirements.txt`: jax 0.11.2, its CUDA plugin and
+libtpu, on Python 3.12): `.venv-deviceless`, or the Python named by
+`OPTAX_EXT_DEVICELESS_PYTHON`. Without one the checks skip, saying how to
+build it; under `.ci/run` (`OPTAX_EXT_DEVICELESS=required`) they fail.
+"""
+
+import os
+import pathlib
+import subprocess
+
+import pytest
+from _compiled import REQUIRED
+
+TESTS = pathlib.Path(__file__).parent
+BUILD = (
+    "python3.12 -m venv .venv-deviceless && .venv-deviceless/bin/pip install "
+    "-r tests/data/deviceless-requirements.txt -e ."
+)
+
+
+def _python() -> pathlib.Path | None:
+    given = os.environ.get("OPTAX_EXT_DEVICELESS_PYTHON")
+    path = (
+        pathlib.Path(given) if given else TESTS.parent / ".venv-deviceless/bin/python"
+    )
+    return path if path.exists() else None
+
+
+def test_gpu_and_tpu_compile_checks_pass():
+    python = _python()
+    if python is None:
+        if REQUIRED:
+            pytest.fail(f"no deviceless environment: build it with `{BUILD}`")
+        pytest.skip(f"no deviceless environment (`{BUILD}` builds it)")
+    env = dict(os.environ, OPTAX_EXT_DEVICELESS="required", JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-n", "2", "--dist", "loadgroup", "-k", "gpu or tpu",
+         str(TESTS / "test_compiled_backends.py")],
+        env=env,
+        cwd=TESTS.parent,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )  # fmt: skip
+    summary = result.stdout.strip().splitlines()[-1:] or ["(no output)"]
+    assert result.returncode == 0, (
+        f"GPU and TPU compile checks failed ({summary[0]}):\n"
+        f"{result.stdout[-8000:]}\n{result.stderr[-4000:]}"
+    )
+    assert "skipped" not in summary[0], summary[0]

@@ -1,0 +1,175 @@
+"""`apply_gradients(..., emit=)`: a training loop that knows on the host
+which step ends a window compiles the mini-step and the emitting step
+apart, neither with a conditional. References: plain optax on the window's
+mean computed in float64, and the loop without `emit`."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _helpers import xla_cpu_only
+
+import optax_ext
+
+K = 4
+PARAMS = {"w": jnp.linspace(-1.0, 1.0, 24).reshape(4, 6), "b": jnp.ones(6)}
+
+
+def _grads(t):
+    rng = np.random.default_rng(t)
+    return jax.tree.map(
+        lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), PARAMS
+    )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _step(opt, params, state, grads, emit):
+    return optax_ext.apply_gradients(opt, grads, state, params, emit=emit)
+
+
+@jax.jit
+def _reference_step(params, state, mean):
+    updates, state = optax.adamw(1e-2).update(mean, state, params)
+    return optax.apply_updates(params, updates), state
+
+
+def _mean64(grads):
+    return jax.tree.map(
+        lambda *g: jnp.asarray(np.mean([np.float64(x) for x in g], 0), jnp.float32),
+        *grads,
+    )
+
+
+def _close(got, want, tol=1e-6):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+def test_host_chosen_windows_equal_optax_on_the_window_mean():
+    """Three windows of K mini-steps, the last of each with `emit=True`:
+    the params after each window are optax's adamw step on the window's
+    mean (float64, rounded once), the params between emitting steps are
+    unchanged, and the counters are those of the conditional form."""
+    opt = optax_ext.MultiSteps(optax.adamw(1e-2), K)
+    params, state = PARAMS, opt.init(PARAMS)
+    ref_params, ref_state = PARAMS, optax.adamw(1e-2).init(PARAMS)
+    t = 0
+    for _ in range(3):
+        window = []
+        for j in range(K):
+            g = _grads(t)
+            window.append(g)
+            before = params
+            params, state = _step(opt, params, state, g, j == K - 1)
+            if j < K - 1:
+                for a, b in zip(
+                    jax.tree.leaves(params), jax.tree.leaves(before), strict=True
+                ):
+                    np.testing.assert_array_equal(a, b)
+            t += 1
+        ref_params, ref_state = _reference_step(ref_params, ref_state, _mean64(window))
+        _close(params, ref_params)
+        assert int(state.mini_step) == 0 and bool(opt.has_updated(state))
+    assert int(state.gradient_step) == 3
+    assert all(not np.any(np.asarray(a)) for a in jax.tree.leaves(state.acc_grads))
+
+
+def test_host_decides_when_it_disagrees_with_the_window():
+    """The documented rule: `emit=True` closes the window on this step, on
+    the mean of the mini-steps it holds (2 here, with K = 4); `emit=False`
+    never runs the inner optimizer, even past K; a step without `emit`
+    afterwards closes the longer window (its mini-step count reached K)."""
+    opt = optax_ext.MultiSteps(optax.adamw(1e-2), K)
+    state = opt.init(PARAMS)
+    ref_state = optax.adamw(1e-2).init(PARAMS)
+    g0, g1 = _grads(0), _grads(1)
+    params, state = _step(opt, PARAMS, state, g0, False)
+    params, state = _step(opt, params, state, g1, True)
+    want, ref_state = _reference_step(PARAMS, ref_state, _mean64([g0, g1]))
+    _close(params, want)
+    window = [_grads(t) for t in range(2, 8)]  # 6 mini-steps, > K
+    for g in window[:-1]:
+        before = params
+        params, state = _step(opt, params, state, g, False)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(before), strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert int(state.mini_step) == 5
+    params, state = _step(opt, params, state, window[-1], None)
+    want, ref_state = _reference_step(want, ref_state, _mean64(window))
+    _close(params, want)
+    assert int(state.gradient_step) == 2 and int(state.mini_step) == 0
+
+
+def test_skipped_emitting_step_and_weight_zero_window_leave_params():
+    """Skip functions and weights keep their contract: an emitting step that
+    the skip function rejects (a NaN gradient) leaves the params, the inner
+    state and the window as they were; a weighted window whose weights sum
+    to 0 ends without running the inner optimizer."""
+    opt = optax_ext.MultiSteps(
+        optax.adamw(1e-2), K, should_skip_update_fn=optax.skip_not_finite
+    )
+    state = opt.init(PARAMS)
+    params, state = _step(opt, PARAMS, state, _grads(0), False)
+    bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), _grads(1))
+    params, after = _step(opt, params, state, bad, True)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(PARAMS), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(after.mini_step) == 1 and int(after.gradient_step) == 0
+    for a, b in zip(
+        jax.tree.leaves(after.acc_grads), jax.tree.leaves(state.acc_grads), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+    weighted = optax_ext.MultiSteps(optax.adamw(1e-2), K, weighted=True)
+    step = jax.jit(
+        lambda p, s, g, w, emit: optax_ext.apply_gradients(
+            weighted, g, s, p, emit=emit, weight=w
+        ),
+        static_argnums=4,
+    )
+    state = weighted.init(PARAMS)
+    params, state = step(PARAMS, state, _grads(0), 0.0, False)
+    params, state = step(params, state, _grads(1), 0.0, True)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(PARAMS), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(state.gradient_step) == 0 and int(state.mini_step) == 0
+
+
+def test_emit_is_checked():
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), K)
+    state = opt.init(PARAMS)
+    with pytest.raises(TypeError, match=r"emit must be a Python bool.*got Array"):
+        optax_ext.apply_gradients(opt, PARAMS, state, PARAMS, emit=jnp.asarray(True))
+    with pytest.raises(TypeError, match=r"emit= chooses .*MultiSteps"):
+        tx = optax.sgd(1.0)
+        optax_ext.apply_gradients(tx, PARAMS, tx.init(PARAMS), PARAMS, emit=True)
+    tx = optax_ext.skip_when(optax.sgd(1.0))
+    with pytest.raises(TypeError, match=r"emit= chooses .*MultiSteps"):
+        optax_ext.apply_gradients(tx, PARAMS, tx.init(PARAMS), PARAMS, emit=False)
+    # its gradient_transformation() is a MultiSteps too
+    gt = opt.gradient_transformation()
+    optax_ext.apply_gradients(gt, PARAMS, state, PARAMS, emit=False)
+
+
+@xla_cpu_only("compiled HLO of the host-chosen steps")
+@pytest.mark.parametrize("emit", [False, True])
+def test_host_chosen_steps_hold_no_conditional(emit):
+    """Neither program has a conditional; the mini-step has no `sqrt`
+    (Adam's), the emitting step one per leaf. (XLA:GPU and XLA:TPU:
+    tests/test_compiled_backends.py.)"""
+    opt = optax_ext.MultiSteps(optax.adamw(1e-2), K)
+    state = opt.init(PARAMS)
+    text = (
+        jax.jit(
+            lambda p, s, g: optax_ext.apply_gradients(opt, g, s, p, emit=emit),
+            donate_argnums=(0, 1),
+        )
+        .lower(PARAMS, state, PARAMS)
+        .compile()
+        .as_text()
+    )
+    assert " conditional(" not in text
+    assert text.count(" sqrt(") == (len(PARAMS) if emit else 0)
