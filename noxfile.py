@@ -57,6 +57,18 @@ def tests(session: nox.Session) -> None:
     _run_tests(session)
 
 
+@nox.session(python="3.12")
+def deviceless(session: nox.Session) -> None:
+    """The GPU and TPU compile checks alone, in their pinned environment
+    (`tests/data/deviceless-requirements.txt`)."""
+    session.install("-r", "tests/data/deviceless-requirements.txt", "-e", ".")
+    session.run(
+        "pytest", "-n", "2", "--dist", "loadgroup", "-k", "gpu or tpu",
+        "tests/test_compiled_backends.py", *session.posargs,
+        env={"JAX_PLATFORMS": "cpu", "OPTAX_EXT_DEVICELESS": "required"},
+    )  # fmt: skip
+
+
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     session.install("ruff")

@@ -26,6 +26,8 @@ said):
 from __future__ import annotations
 
 import functools
+import re
+from importlib.metadata import version
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +125,12 @@ CASES = [
 ]
 
 
+def _jaxlib() -> tuple[int, ...]:
+    return tuple(
+        int(x) for x in re.match(r"(\d+)\.(\d+)\.(\d+)", version("jaxlib")).groups()
+    )
+
+
 def _skip_unless(backend):
     why = unavailable(backend)
     if why is None:
@@ -187,6 +195,10 @@ def test_mini_step_runs_no_inner_optimizer(backend, layout, inner, dtype, form):
     emitting branch, as its bare step does not: there only the mini-step
     is checked.)"""
     _skip_unless(backend)
+    if backend == "cpu" and dtype == "bfloat16" and _jaxlib() < (0, 9, 1):
+        # XLA:CPU before jaxlib 0.9.1 computes bfloat16 through float32 and
+        # copies every state leaf (docs/design.md, "When JAX or XLA changes").
+        pytest.skip("jaxlib < 0.9.1 copies bfloat16 state on XLA:CPU")
     got, _ = _check(backend, layout, inner, dtype, form)
     assert got["conditionals"] >= 1, got
     assert got["markers_outside"] == 0, got

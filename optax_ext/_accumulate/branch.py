@@ -81,6 +81,7 @@ def update_if(
     buffers. `None` otherwise.
     """
     carried = carry is not None
+    returns_count = counter is not None
     known = known_bool(pred)
     if known is not None and counter is None:
         # Decided while tracing: no conditional (nor barrier) at all.
@@ -99,7 +100,9 @@ def update_if(
             )
         new_updates, new_state = inner_update(*operands, inner_state)
         return new_updates, conform_state(new_state, inner_state), None
-    ran, kept = counter if counter is not None else (None, None)
+    if counter is None:
+        counter = (jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
+    ran, kept = counter
 
     def step(operands, inner_state, carry):
         if carried:
@@ -119,12 +122,17 @@ def update_if(
     to_order = old_value_read_first(closed.jaxpr, first_state, n_state, n_updates)
 
     def run(operands, inner_state, carry, seed):
-        operands, inner_state, carry = _barrier((operands, inner_state, carry))
+        # Not a cheap op: XLA:GPU turns a two-branch conditional whose ops
+        # are all cheap (an optimizer's elementwise arithmetic) into
+        # selects. On the scalars alone (the counters, a step count): around
+        # the arrays it kept XLA's partitioner from carrying their sharding
+        # into the branch (params sharded under `jit` were all-gathered).
+        (operands, inner_state), count = _scalar_barrier((operands, inner_state), ran)
         leaves = jax.tree.leaves(call(operands, inner_state, carry))
         # Evaluated eagerly, a constant output is a Python or NumPy value.
         leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
         leaves = _state_after_updates(leaves, n_updates, to_order)
-        return jax.tree.unflatten(out_def, leaves), ran
+        return jax.tree.unflatten(out_def, leaves), count
 
     def skip(operands, inner_state, carry, seed):
         if carried:
@@ -134,11 +142,11 @@ def update_if(
         return (jax.tree.unflatten(updates_def, zeros), inner_state), kept
 
     # The zeros' seed: any int32 scalar XLA cannot fold.
-    seed = kept if kept is not None else lax.convert_element_type(pred, jnp.int32)
+    seed = kept if returns_count else lax.convert_element_type(pred, jnp.int32)
     (result, new_state), count = lax.cond(
         pred, run, skip, operands, inner_state, carry, seed
     )
-    return result, new_state, count
+    return result, new_state, count if returns_count else None
 
 
 def known_bool(x: Any) -> bool | None:
@@ -243,23 +251,31 @@ def _state_after_updates(
     return out
 
 
-def _barrier(tree: PyTree) -> PyTree:
-    """`tree` through `lax.optimization_barrier`: not a cheap op, so XLA:GPU
-    keeps the conditional whose branch holds it (it turns a two-branch
-    conditional whose ops are all cheap, an optimizer's elementwise
-    arithmetic, into selects). Inside `jax.shard_map` one barrier per set
-    of mesh axes the leaves vary over: a barrier's outputs vary over all
-    its inputs' axes."""
+def _scalar_barrier(tree: PyTree, ran: jax.Array) -> tuple[PyTree, jax.Array]:
+    """`tree` and `ran` with `ran` and every scalar leaf of `tree` passed
+    through one `lax.optimization_barrier`, grouped by the mesh axes they
+    vary over inside `jax.shard_map` (a barrier's outputs vary over all its
+    inputs' axes)."""
     leaves, treedef = jax.tree.flatten(tree)
+    scalars = [
+        i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.ndim == 0
+    ]
     groups: dict[frozenset, list[int]] = {}
-    for i, x in enumerate(leaves):
-        groups.setdefault(varying_axes(x) or frozenset(), []).append(i)
+    for i in scalars:
+        groups.setdefault(varying_axes(leaves[i]) or frozenset(), []).append(i)
     out = list(leaves)
-    for indices in groups.values():
-        kept = lax.optimization_barrier([leaves[i] for i in indices])
-        for i, x in zip(indices, kept, strict=True):
+    ran_axes = varying_axes(ran) or frozenset()
+    if ran_axes not in groups:
+        ran = lax.optimization_barrier(ran)
+    for axes, indices in groups.items():
+        values = [leaves[i] for i in indices]
+        if axes == ran_axes:
+            *values, ran = lax.optimization_barrier([*values, ran])
+        else:
+            values = lax.optimization_barrier(values)
+        for i, x in zip(indices, values, strict=True):
             out[i] = x
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, out), ran
 
 
 # Leaves from this many elements get zeros of their own (`distinct_zeros`);
