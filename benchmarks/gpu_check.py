@@ -81,6 +81,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -115,6 +116,14 @@ MODES = ("mini", "emit", "window")
 FORMS = ("scan", "host")
 CANDIDATES = ("optax", "ext", "ext fused", "host-chosen", "plain", "plain fused")
 FLOORS = ("accumulate", "accumulate+state", "drop-in floor")
+# (layout, dtype) in priority order: those the time budget cannot hold are
+# reported as not run, from the end.
+CASES = [
+    ("gpt2-small", "float32"),
+    ("8 x (4096, 4096)", "float32"),
+    ("8 x (4096, 4096)", "bfloat16"),
+    ("gpt2-small", "bfloat16"),
+]
 
 
 def inner() -> optax.GradientTransformation:
@@ -137,16 +146,19 @@ def _progress_counts(out: str) -> dict[str, int]:
     return counts
 
 
-def run_suite(timeout_s: float) -> dict:
+def run_suite(timeout_s: float, platform_name: str = "cuda") -> dict:
     """The test suite on the GPU, without the multi-device files."""
     ignored = sorted(
         {p for pattern in SUITE_IGNORE for p in glob.glob(str(ROOT / pattern))}
     )
     command = [sys.executable, "-m", "pytest", "-n", "4", "-q", "-rfE", "tests"]
     command += [f"--ignore={Path(p).relative_to(ROOT)}" for p in ignored]
-    env = dict(os.environ, JAX_PLATFORMS="cuda", XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    shown = "JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false python " + " ".join(
-        command[1:]
+    env = dict(
+        os.environ, JAX_PLATFORMS=platform_name, XLA_PYTHON_CLIENT_PREALLOCATE="false"
+    )
+    shown = (
+        f"JAX_PLATFORMS={platform_name} XLA_PYTHON_CLIENT_PREALLOCATE=false "
+        f"python {' '.join(command[1:])}"
     )
     print(f"suite: {shown} (cap {timeout_s:.0f} s)", flush=True)
     start = time.monotonic()
@@ -568,8 +580,11 @@ def render(report: dict) -> str:
             f"{suite['returncode']})",
             "",
         ]
-        if suite["failures"]:
-            lines += ["```text", *suite["failures"], "```", ""]
+        shown = suite["failures"] or (
+            suite["tail"] if suite["summary"].startswith("no summary") else []
+        )
+        if shown:
+            lines += ["```text", *shown, "```", ""]
     bench = report.get("bench")
     if bench is None:
         lines += ["## Train step", "", "Not run (`--suite-only`).", ""]
@@ -588,8 +603,8 @@ def render(report: dict) -> str:
     ]
     for key, case in bench["cases"].items():
         lines += [f"### {key}", ""]
-        if "skipped" in case:
-            lines += [f"Not run: {case['skipped']}.", ""]
+        if "ms" not in case:
+            lines += [f"Not run: {case.get('skipped', 'in progress')}.", ""]
             continue
         ms = case["ms"]
         lines += [
@@ -701,33 +716,95 @@ def main() -> None:
         "--quick", action="store_true", help="CPU smoke run: tiny shapes, no suite"
     )
     parser.add_argument("--out", type=Path, help="directory for the .md and .json")
-    parser.add_argument("--budget", type=float, default=480.0, help="seconds in all")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds in all (default 480; none with --quick): cases that do "
+        "not fit are not run, and the process ends at the budget, report written",
+    )
     parser.add_argument("--suite-timeout", type=float, default=240.0)
+    parser.add_argument(
+        "--suite-platform",
+        default="cuda",
+        help="JAX_PLATFORMS of the suite (another value tests this script)",
+    )
     parser.add_argument("--steps", type=int, help="steps per timed unit (K)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     args = parser.parse_args()
     start = time.monotonic()
+    budget = args.budget or (float("inf") if args.quick else 480.0)
     n_steps = args.steps or (8 if args.quick else 16)
     n_steps = max(WINDOW, n_steps - n_steps % WINDOW)
     rounds = args.rounds or (3 if args.quick else 7)
 
-    report: dict = {"argv": " ".join(["python benchmarks/gpu_check.py", *sys.argv[1:]])}
-    if not (args.bench_only or args.quick):
-        left = args.budget - (time.monotonic() - start) - 10
-        report["suite"] = run_suite(min(args.suite_timeout, max(left, 1)))
-
     device = jax.devices()[0]
-    if not args.quick and not args.suite_only and device.platform == "cpu":
+    if not (args.quick or args.suite_only) and device.platform == "cpu":
         sys.exit("gpu_check: no GPU visible to JAX; use --quick for a CPU smoke run")
+    out = args.out or (
+        Path(tempfile.mkdtemp(prefix="gpu_check-")) if args.quick else RESULTS
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    name = slug(device.device_kind)
+    report: dict = {
+        "argv": " ".join(["python benchmarks/gpu_check.py", *sys.argv[1:]]),
+        "device": device.device_kind,
+        "platform": device.platform,
+        "device_count": jax.device_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y-%m-%d %H:%M UTC"
+        ),
+        "jax": jax.__version__,
+        "jaxlib": importlib.metadata.version("jaxlib"),
+        "optax": optax.__version__,
+        "python": platform.python_version(),
+        "code": code_version(),
+        "has_emit": HAS_EMIT,
+        "seconds": 0.0,
+    }
+
+    def write(final: bool = False) -> str:
+        """The report as it stands (after each part, so that a run cut
+        short leaves what it measured)."""
+        report["seconds"] = time.monotonic() - start
+        text = render(report)
+        (out / f"{name}.md").write_text(text)
+        (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+        if final:
+            print(text)
+            print(f"wrote {out / name}.md and .json ({report['seconds']:.0f} s)")
+        return text
+
+    def cut_off() -> None:
+        # The budget is a promise: end here, with the report of what is done
+        # (a compile in progress cannot be interrupted otherwise).
+        cases = report.get("bench", {}).get("cases", {})
+        for case in cases.values():
+            if case.get("running"):
+                case.clear()
+                case["skipped"] = f"cut off at the time budget ({budget:.0f} s)"
+        for layout, dtype in CASES:
+            key = f"{label(layout, args.quick)}, {dtype}"
+            if "bench" in report and key not in cases:
+                cases[key] = {"skipped": "the time budget ended first"}
+        try:
+            write(final=True)
+        finally:
+            os._exit(3)
+
+    if budget != float("inf"):
+        watchdog = threading.Timer(budget - (time.monotonic() - start), cut_off)
+        watchdog.daemon = True
+        watchdog.start()
+
+    if not (args.bench_only or args.quick):
+        left = budget - (time.monotonic() - start) - 10
+        report["suite"] = run_suite(
+            min(args.suite_timeout, max(left, 1)), args.suite_platform
+        )
+        write()
     if not args.suite_only:
-        cases = [
-            ("gpt2-small", "float32"),
-            ("8 x (4096, 4096)", "float32"),
-            ("8 x (4096, 4096)", "bfloat16"),
-            ("gpt2-small", "bfloat16"),
-        ]
-        bench: dict = {
+        report["bench"] = bench = {
             "config": {
                 "steps": n_steps,
                 "rounds": rounds,
@@ -736,9 +813,9 @@ def main() -> None:
             "cases": {},
         }
         took: dict[str, float] = {}
-        for layout, dtype in cases:
+        for layout, dtype in CASES:
             key = f"{label(layout, args.quick)}, {dtype}"
-            left = args.budget - (time.monotonic() - start) - 10
+            left = budget - (time.monotonic() - start) - 10
             need = 1.2 * took.get(layout, max(took.values(), default=0.0))
             if need > left:
                 why = f"time budget ({left:.0f} s left, about {need:.0f} s needed)"
@@ -746,39 +823,20 @@ def main() -> None:
                 print(f"{key}: not run, {why}", flush=True)
                 continue
             print(f"{key}:", flush=True)
+            bench["cases"][key] = {"running": True}
             t = time.monotonic()
-            bench["cases"][key] = bench_case(
-                layout, dtype, args.quick, n_steps, rounds, args.workers
-            )
+            try:
+                result = bench_case(
+                    layout, dtype, args.quick, n_steps, rounds, args.workers
+                )
+            except Exception as error:  # report it; the other cases may run
+                result = {"skipped": f"failed: {type(error).__name__}: {error}"}
+                print(f"  {result['skipped']}", flush=True)
+            bench["cases"][key] = result
             took[layout] = time.monotonic() - t
             print(f"  done in {took[layout]:.0f} s", flush=True)
-        report["bench"] = bench
-
-    report.update(
-        device=device.device_kind,
-        platform=device.platform,
-        device_count=jax.device_count(),
-        date=datetime.datetime.now(datetime.timezone.utc).strftime(
-            "%Y-%m-%d %H:%M UTC"
-        ),
-        jax=jax.__version__,
-        jaxlib=importlib.metadata.version("jaxlib"),
-        optax=optax.__version__,
-        python=platform.python_version(),
-        code=code_version(),
-        has_emit=HAS_EMIT,
-        seconds=time.monotonic() - start,
-    )
-    out = args.out or (
-        Path(tempfile.mkdtemp(prefix="gpu_check-")) if args.quick else RESULTS
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    name = slug(device.device_kind)
-    text = render(report)
-    (out / f"{name}.md").write_text(text)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(text)
-    print(f"wrote {out / name}.md and .json ({report['seconds']:.0f} s)")
+            write()
+    write(final=True)
 
 
 if __name__ == "__main__":
