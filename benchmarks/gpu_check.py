@@ -43,8 +43,9 @@ the device that gave them.
      conditional compiled); "n/a" where `apply_gradients` has no `emit`;
    - `plain` / `plain fused`: `plain_multi_steps` of `train_step.py`, the
      ~40-line `lax.cond` MultiSteps, drop-in and fused;
-   - floors, mini-step only: `accumulate` (`acc = acc + g` in place in a
-     float32 accumulator, params returned untouched), `accumulate+state`
+   - floors, mini-step only: `accumulate` (the gradients folded in place
+     into a float32 running mean, `acc + (g - acc) / (n + 1)`, params
+     returned untouched: see `floor_steps`), `accumulate+state`
      (the same, passing the inner optimizer's state through, donated), and
      `drop-in floor` (`accumulate+state`, a zero updates tree XLA cannot
      fold, `optax.apply_updates`: the least the drop-in API can cost).
@@ -100,7 +101,7 @@ import optax_ext  # noqa: E402
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from train_step import plain_multi_steps  # noqa: E402
+from train_step import accumulate_transform, plain_multi_steps  # noqa: E402
 
 RESULTS = HERE / "results" / "gpu"
 NEVER = 1_000_000_000  # every_k_schedule of a window that never closes
@@ -120,8 +121,8 @@ FLOORS = ("accumulate", "accumulate+state", "drop-in floor")
 # reported as not run, from the end.
 CASES = [
     ("gpt2-small", "float32"),
-    ("8 x (4096, 4096)", "float32"),
-    ("8 x (4096, 4096)", "bfloat16"),
+    ("large", "float32"),
+    ("large", "bfloat16"),
     ("gpt2-small", "bfloat16"),
 ]
 
@@ -254,7 +255,7 @@ def large_shapes(quick: bool) -> dict:
 
 LAYOUTS: dict[str, Callable[[bool], dict]] = {
     "gpt2-small": gpt2_shapes,
-    "8 x (4096, 4096)": large_shapes,
+    "large": large_shapes,
 }
 
 
@@ -280,12 +281,12 @@ def make_params(layout: str, dtype: str, quick: bool):
 
 
 def label(layout: str, quick: bool) -> str:
-    """The layout as the tables name it, with its leaf count."""
-    if quick and layout != "gpt2-small":
-        return "8 x (256, 256)"
-    n = len(jax.tree.leaves(LAYOUTS[layout](quick), is_leaf=is_shape))
-    suffix = f" ({n} leaves{', scaled down' if quick else ''})"
-    return layout + (suffix if layout == "gpt2-small" else "")
+    """The layout as the tables name it."""
+    shapes = LAYOUTS[layout](quick)
+    if layout == "large":
+        return f"{len(shapes)} x {shapes['w0']}"
+    n = len(jax.tree.leaves(shapes, is_leaf=is_shape))
+    return f"{layout} ({n} leaves{', scaled down' if quick else ''})"
 
 
 # --- the steps --------------------------------------------------------------
@@ -308,30 +309,28 @@ def fused(opt, emit=None):
     return opt.init, lambda p, s, g: optax_ext.apply_gradients(opt, g, s, p, emit=emit)
 
 
-def _acc_init(params):
-    return jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-
-
-def _acc_add(acc, grads):
-    return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads)
-
-
 def floor_steps() -> dict[str, tuple[Callable, Callable]]:
+    """The floors: `train_step.accumulate_transform`'s running mean in a
+    float32 buffer (the arithmetic of a MultiSteps mini-step; on XLA:CPU
+    `acc + g` alone compiles, inside a scan, 3 to 4 times slower, so it is
+    no floor there), alone, passing the inner state through, and with the
+    zero updates of the drop-in API."""
+    acc = accumulate_transform()
     held = inner()
 
-    def accumulate(params, acc, grads):
-        return params, _acc_add(acc, grads)
+    def accumulate(params, state, grads):
+        return params, acc.update(grads, state)
 
     def init_state(params):
-        return jnp.zeros((), jnp.int32), _acc_init(params), held.init(params)
+        return acc.init(params), held.init(params)
 
     def accumulate_state(params, state, grads):
-        n, acc, inner_state = state
-        return params, (n + 1, _acc_add(acc, grads), inner_state)
+        acc_state, inner_state = state
+        return params, (acc.update(grads, acc_state), inner_state)
 
     def dropin_floor(params, state, grads):
         params, state = accumulate_state(params, state, grads)
-        never = state[0] < 0  # a traced False: XLA cannot fold the zeros
+        never = state[0][0] < 0  # the count: a traced False, no folding
 
         def zeros(never):
             leaves, treedef = jax.tree.flatten(params)
@@ -346,7 +345,7 @@ def floor_steps() -> dict[str, tuple[Callable, Callable]]:
         return optax.apply_updates(params, updates), state
 
     return {
-        "accumulate": (_acc_init, accumulate),
+        "accumulate": (acc.init, accumulate),
         "accumulate+state": (init_state, accumulate_state),
         "drop-in floor": (init_state, dropin_floor),
     }
@@ -503,7 +502,14 @@ def bench_case(
             ms = 1e3 * statistics.median(runner.times) / n_steps
             out[mode].setdefault(name, {})[form] = ms
         runners.clear()  # frees this mode's buffers before the next mode's
-    return {"ms": out, "compile_s": round(compile_s, 1), "programs": len(jobs)}
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return {
+        "ms": out,
+        "compile_s": round(compile_s, 1),
+        "programs": len(jobs),
+        "peak_gib": None if peak is None else round(peak / 2**30, 2),
+    }
 
 
 # --- report -------------------------------------------------------------------
@@ -608,7 +614,12 @@ def render(report: dict) -> str:
             continue
         ms = case["ms"]
         lines += [
-            f"{case['programs']} programs compiled in {case['compile_s']:.0f} s.",
+            f"{case['programs']} programs compiled in {case['compile_s']:.0f} s"
+            + (
+                f"; peak device memory so far {case['peak_gib']:.1f} GiB."
+                if case.get("peak_gib") is not None
+                else "."
+            ),
             "",
             "| candidate | mini scan | mini host | emit scan | emit host "
             "| window scan | window host |",
@@ -728,6 +739,13 @@ def main() -> None:
         default="cuda",
         help="JAX_PLATFORMS of the suite (another value tests this script)",
     )
+    parser.add_argument(
+        "--case",
+        action="append",
+        choices=[f"{layout}:{dtype}" for layout, dtype in CASES],
+        help="run only this (layout, dtype), repeatable (default: all four; "
+        "--quick leaves out gpt2-small:bfloat16, the slowest to compile on CPU)",
+    )
     parser.add_argument("--steps", type=int, help="steps per timed unit (K)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds")
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
@@ -813,8 +831,16 @@ def main() -> None:
             "cases": {},
         }
         took: dict[str, float] = {}
+        chosen = args.case or [
+            f"{layout}:{dtype}"
+            for layout, dtype in CASES
+            if not (args.quick and (layout, dtype) == CASES[-1])
+        ]
         for layout, dtype in CASES:
             key = f"{label(layout, args.quick)}, {dtype}"
+            if f"{layout}:{dtype}" not in chosen:
+                bench["cases"][key] = {"skipped": "not selected (--case, --quick)"}
+                continue
             left = budget - (time.monotonic() - start) - 10
             need = 1.2 * took.get(layout, max(took.values(), default=0.0))
             if need > left:
