@@ -445,6 +445,36 @@ def compile_all(jobs: dict, params, grads, workers: int) -> dict:
         return {name: f.result() for name, f in futures.items()}
 
 
+def time_mode(
+    mode: str, names, inits, compiled, params, grads, n_steps: int, rounds: int
+) -> dict:
+    """{candidate: {form: ms per step}} for one mode, timed interleaved. Its
+    buffers are freed on return, before the next mode allocates its own."""
+    runners = {}
+    for name in names + (list(FLOORS) if mode == "mini" else []):
+        buffers = Buffers(inits[name, mode], params)
+        scan = [compiled[name, mode, "scan"]]
+        if name == "host-chosen":
+            emits = pattern(mode) * (n_steps // len(pattern(mode)))
+            host = [compiled["host-chosen", e, "host"] for e in emits]
+        else:
+            host = [compiled[name, mode, "host"]] * n_steps
+        runners[name, "scan"] = Runner(scan, buffers, grads, n_steps)
+        runners[name, "host"] = Runner(host, buffers, grads, n_steps)
+    for runner in runners.values():
+        runner.call()  # warm up
+    order = list(runners.values())
+    shuffle = random.Random(0).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for runner in order:
+            runner.times.append(runner.call())
+    out: dict = {}
+    for (name, form), runner in runners.items():
+        out.setdefault(name, {})[form] = 1e3 * statistics.median(runner.times) / n_steps
+    return out
+
+
 def bench_case(
     layout: str, dtype: str, quick: bool, n_steps: int, rounds: int, workers: int
 ) -> dict:
@@ -477,31 +507,10 @@ def bench_case(
     compile_s = time.monotonic() - start
     print(f"  compiled {len(jobs)} programs in {compile_s:.1f} s", flush=True)
 
-    out: dict = {mode: {} for mode in MODES}
-    for mode in MODES:
-        runners = {}
-        for name in names + (list(FLOORS) if mode == "mini" else []):
-            buffers = Buffers(inits[name, mode], params)
-            scan = [compiled[name, mode, "scan"]]
-            if name == "host-chosen":
-                emits = pattern(mode) * (n_steps // len(pattern(mode)))
-                host = [compiled["host-chosen", e, "host"] for e in emits]
-            else:
-                host = [compiled[name, mode, "host"]] * n_steps
-            runners[name, "scan"] = Runner(scan, buffers, grads, n_steps)
-            runners[name, "host"] = Runner(host, buffers, grads, n_steps)
-        for runner in runners.values():
-            runner.call()  # warm up
-        order = list(runners.values())
-        shuffle = random.Random(0).shuffle
-        for _ in range(rounds):
-            shuffle(order)
-            for runner in order:
-                runner.times.append(runner.call())
-        for (name, form), runner in runners.items():
-            ms = 1e3 * statistics.median(runner.times) / n_steps
-            out[mode].setdefault(name, {})[form] = ms
-        runners.clear()  # frees this mode's buffers before the next mode's
+    out = {
+        mode: time_mode(mode, names, inits, compiled, params, grads, n_steps, rounds)
+        for mode in MODES
+    }
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     return {
