@@ -283,4 +283,4 @@ def test_fused_step_has_no_params_sized_temporary(leaves, shape, inner):
     # the window's mean out once, where the bare step reads its input twice.
     reads_twice = 1.0 if inner == "sgd-nesterov" else 0.0
     assert fused_temp < bare_temp + reads_twice + 0.15, (fused_temp, bare_temp)
-    assert dropin_temp - fused_temp > 0.98, (dropin_temp, fused_temp)
+    assert dropin_temp - fused_temp > 0.98 - reads_twice, (dropin_temp, fused_temp)

@@ -264,3 +264,31 @@ def test_donated_buffers_are_handed_back(backend, layout, inner, dtype, form):
     _skip_unless(backend)
     got, _ = _check(backend, layout, inner, dtype, form)
     assert got["alias"] >= 0.999 * got["donated"], (got["alias"], got["donated"])
+
+
+@pytest.mark.parametrize("emit", ["emit=False", "emit=True"])
+@pytest.mark.parametrize(
+    "layout,inner,dtype",
+    [c for c in CASES if c.values[0] == "4 large" and c.values[1] in ("adamw", "lion")],
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_host_chosen_steps_hold_no_conditional(backend, layout, inner, dtype, emit):
+    """`apply_gradients(..., emit=)`: no conditional on any backend; the
+    mini-step (`emit=False`) runs no op of the inner optimizer and needs
+    no more than 2% of the params in temporary memory, the emitting step
+    no more than the bare step's plus 2% (plus, on XLA:CPU, the
+    half-precision mean written once), and neither copies a params leaf."""
+    _skip_unless(backend)
+    got, bare = _check(backend, layout, inner, dtype, emit)
+    assert got["conditionals"] == 0, got
+    assert got["copies"] == [], got["copies"]
+    if emit == "emit=False":
+        assert got["markers_outside"] == 0, got
+        assert got["temp"] <= 0.02 * got["params"], got["temp"] / got["params"]
+    else:
+        assert got["markers_outside"] >= 1, got
+        bound = temp_bound(backend, inner, dtype, "fused", bare["temp"], got["params"])
+        assert got["temp"] <= bound, (
+            got["temp"] / got["params"],
+            bare["temp"] / got["params"],
+        )
