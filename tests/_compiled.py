@@ -14,16 +14,20 @@ import pathlib
 import re
 from importlib.metadata import PackageNotFoundError, version
 
-import jax
-from _helpers import hlo_computations, reachable
-from jax.sharding import NamedSharding, PartitionSpec
+# Deviceless: the CUDA plugin registers only without a GPU platform asked
+# for (a script importing this first; the tests' conftest sets it too).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu takes a lock file per machine unless told that several processes
+# (pytest -n) may load it; no process here owns a TPU.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+from _helpers import hlo_computations, reachable  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 # The versions the GPU machines run; another XLA assigns buffers otherwise.
 PINNED_JAX = "0.11.2"
 TARGET = pathlib.Path(__file__).parent / "data" / "h200_target.txtpb"
-# libtpu takes a lock file per machine unless told that several processes
-# (pytest -n) may load it; no process here owns a TPU.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Set by `.ci/run` in the deviceless environment: a missing compiler fails.
 REQUIRED = os.environ.get("OPTAX_EXT_DEVICELESS") == "required"
 

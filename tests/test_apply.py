@@ -284,3 +284,49 @@ def test_fused_step_has_no_params_sized_temporary(leaves, shape, inner):
     reads_twice = 1.0 if inner == "sgd-nesterov" else 0.0
     assert fused_temp < bare_temp + reads_twice + 0.15, (fused_temp, bare_temp)
     assert dropin_temp - fused_temp > 0.98 - reads_twice, (dropin_temp, fused_temp)
+
+
+@COMPILED
+def test_fused_for_models_with_python_numbers():
+    """Issue 34: a model with Python numbers among its leaves (an Equinox
+    model with `eqx.nn.Dropout`: `p`, `inference`) is fused: they stay
+    outside the conditional, the mini-step builds no zero updates (its
+    compiled temporary memory is that of the model without the Dropout,
+    0.00x the params, where it was 1.00x applied unfused), the numbers come
+    back as the Python numbers they were, and the params are the unfused
+    step's (update + `eqx.apply_updates`, jitted alike)."""
+
+    class Model(eqx.Module):
+        linear: eqx.nn.Linear
+        dropout: eqx.nn.Dropout
+
+    key = jax.random.key(0)
+    model = Model(eqx.nn.Linear(256, 256, key=key), eqx.nn.Dropout(0.25))
+    opt = optax_ext.MultiSteps(optax.adam(1e-2), 2)
+    arrays, static = eqx.partition(model, eqx.is_array)
+
+    def fused(arrays, state, grads):
+        m = eqx.combine(arrays, static)
+        new, state = optax_ext.apply_gradients(opt, grads, state, m)
+        assert new.dropout.p == 0.25 and new.dropout.inference is False
+        return eqx.filter(new, eqx.is_array), state
+
+    def unfused(arrays, state, grads):
+        m = eqx.combine(arrays, static)
+        updates, state = opt.update(grads, state, m)
+        return eqx.filter(eqx.apply_updates(m, updates), eqx.is_array), state
+
+    grads = jax.tree.map(lambda a: jnp.full_like(a, 0.5), arrays)
+    state = opt.init(model)
+    compiled = (
+        jax.jit(fused, donate_argnums=(0, 1)).lower(arrays, state, grads).compile()
+    )
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(arrays))
+    assert compiled.memory_analysis().temp_size_in_bytes < 0.02 * nbytes
+    got, want = (arrays, state), (arrays, state)
+    step_f, step_u = jax.jit(fused), jax.jit(unfused)
+    for _ in range(4):
+        got = step_f(got[0], got[1], grads)
+        want = step_u(want[0], want[1], grads)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
