@@ -1,5 +1,6 @@
 """Small helpers shared by the tests (independent of optax_ext's code)."""
 
+import os
 import re
 
 import jax
@@ -124,3 +125,101 @@ def loop_computations(comps):
         for line in comps[name]:
             todo += re.findall(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)", line)
     return seen
+
+
+# -- comparing two differently compiled programs ----------------------------
+
+# Set to force the bound below on XLA:CPU too: how the tests of the bound (and
+# a test's power to fail under it) are checked without another backend.
+_FORCE_BOUND = os.environ.get("OPTAX_EXT_TESTS_CROSS_PROGRAM_BOUND", "") not in (
+    "",
+    "0",
+)
+
+
+def across_programs_exact() -> bool:
+    """Whether `assert_close_across_programs` asserts equality: on XLA:CPU,
+    unless OPTAX_EXT_TESTS_CROSS_PROGRAM_BOUND is set."""
+    return jax.default_backend() == "cpu" and not _FORCE_BOUND
+
+
+def cross_program_tolerance(want, *, ops: int, magnitude=None) -> np.ndarray:
+    """The elementwise bound of `assert_close_across_programs` for the leaf
+    `want` (float64): `ops * eps * M + ops * smallest_normal`, with `eps` the
+    spacing of `want`'s dtype at 1 and `M = magnitude`, or the largest
+    finite |want| in the leaf when `magnitude` is None."""
+    info = jnp.finfo(jnp.asarray(want).dtype)
+    w = np.abs(to_np(want)).astype(np.float64)
+    if magnitude is None:
+        magnitude = w[np.isfinite(w)].max(initial=0.0)
+    m = np.broadcast_to(np.asarray(magnitude, np.float64), w.shape)
+    return ops * float(info.eps) * m + ops * float(info.smallest_normal)
+
+
+def assert_close_across_programs(got, want, *, ops: int, magnitude=None, err_msg=""):
+    """`got` and `want`, trees of the same values computed by two differently
+    compiled programs (injected vs bare optimizer, MultiSteps vs the inner
+    optimizer on the window's mean, `apply_gradients` vs `update` +
+    `apply_updates`), are equal on XLA:CPU and within a rounding bound on
+    other backends.
+
+    Every backend: same tree structure, dtypes and shapes; integer, bool and
+    key leaves equal; NaN and inf where the other has them (same signs).
+
+    XLA:CPU: floating leaves equal (`np.testing.assert_array_equal`: NaN
+    equals NaN, -0.0 equals 0.0). That is what the docs promise there, and
+    what these tests hold it to.
+
+    Other backends (XLA:GPU, XLA:TPU): finite entries within
+
+        |got - want| <= ops * eps * M + ops * smallest_normal
+
+    where `eps` is the dtype's spacing at 1 (2**-7 bfloat16, 2**-10 float16,
+    2**-23 float32), `M` the magnitude of the values the computation combines
+    (`magnitude`; by default the largest finite |want| in the leaf) and `ops`
+    the number of rounding steps on the path from the common inputs to an
+    entry, over every step the compared run takes. Why: let y be the exact
+    (real-arithmetic) value. A program that rounds after each of its `ops`
+    operations to a format at least as wide as the dtype returns y within
+    `ops * u * M` to first order (standard forward error analysis; Higham,
+    "Accuracy and Stability of Numerical Algorithms", ch. 2-4), u = eps / 2
+    the unit roundoff, M bounding the magnitudes of the terms and
+    intermediates (so cancellation is covered: the bound is relative to the
+    terms, not to a small difference of them). What XLA does differently
+    per program stays inside that model: fusion keeping a bfloat16/float16
+    intermediate in float32 (excess precision) rounds to 2**-24 <= u
+    instead of u; contracting a multiply and an add into an FMA drops a
+    rounding; reassociating a sum of k terms is within (k - 1) * u of its
+    terms' magnitude whatever the order, so a k-term sum or a length-k dot
+    counts k - 1 (resp. k) rounding steps. Both programs being within
+    `ops * u * M` of y, they are within `2 * ops * u * M = ops * eps * M` of
+    each other. `ops * smallest_normal` covers subnormals flushed to zero
+    (XLA:GPU's default), each flush an absolute error below the smallest
+    normal. The bound is first order: it means something while
+    `ops * eps` is well below 1, and for long half-precision runs it is loose
+    by design; bit identity is tested on XLA:CPU.
+    """
+    assert jax.tree.structure(got) == jax.tree.structure(want), err_msg
+    exact = across_programs_exact()
+    for (path, g), w in zip(
+        jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True
+    ):
+        where = f"{err_msg} at {jax.tree_util.keystr(path)}".strip()
+        g, w = jnp.asarray(g), jnp.asarray(w)
+        assert g.dtype == w.dtype, f"{where}: dtype {g.dtype}, want {w.dtype}"
+        assert g.shape == w.shape, f"{where}: shape {g.shape}, want {w.shape}"
+        if jax.dtypes.issubdtype(w.dtype, jax.dtypes.prng_key):
+            g, w = jax.random.key_data(g), jax.random.key_data(w)
+        if exact or not jnp.issubdtype(w.dtype, jnp.inexact):
+            np.testing.assert_array_equal(to_np(g), to_np(w), err_msg=where)
+            continue
+        gx, wx = to_np(g), to_np(w)
+        finite = np.isfinite(wx)
+        np.testing.assert_array_equal(gx[~finite], wx[~finite], err_msg=where)
+        assert np.isfinite(gx[finite]).all(), f"{where}: non-finite entries\n{gx}"
+        err = np.abs(gx.astype(np.complex128) - wx.astype(np.complex128))[finite]
+        tol = cross_program_tolerance(w, ops=ops, magnitude=magnitude)[finite]
+        assert (err <= tol).all(), (
+            f"{where}: differs by up to {np.max(err / tol, initial=0):.3g} times "
+            f"the bound of {ops} rounding steps of {w.dtype}\ngot  {gx}\nwant {wx}"
+        )

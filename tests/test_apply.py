@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import xla_cpu_only
+from _helpers import across_programs_exact, assert_close_across_programs, xla_cpu_only
 
 import optax_ext
 
@@ -63,6 +63,13 @@ WRAPPERS = {
 }
 
 
+# Rounding steps on the path to an entry of one step, with room: adam's
+# update is about 20 elementwise roundings, the global norm of clip a 17-term
+# sum (16) and its sqrt and scale, adafactor's factored moments 3- and
+# 4-term means and an RMS over a 12-entry leaf; the final add is one more.
+OPS_PER_STEP = 64
+
+
 def _skips(name, i):
     """The `skip=` flag of step `i` (every third step skipped), if any."""
     if "skip_when" not in name:
@@ -74,9 +81,11 @@ def _skips(name, i):
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_equals_update_then_apply_updates(inner, wrapper):
     """Params and state after each of 7 jitted, donated steps equal those of
-    `update` + `optax.apply_updates` jitted the same way: the state bit for
-    bit, float32 params within 1e-6 relative (XLA may fuse the final add
-    differently), bf16 params bit for bit."""
+    `update` + `optax.apply_updates` jitted the same way. On XLA:CPU: the
+    state bit for bit, float32 params within 1e-6 relative (XLA may fuse the
+    final add differently), bf16 params bit for bit. Elsewhere the two
+    programs are fused differently throughout: params and state within the
+    bound of `assert_close_across_programs` for the steps taken."""
     opt = WRAPPERS[wrapper](INNER[inner]())
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -94,6 +103,13 @@ def test_equals_update_then_apply_updates(inner, wrapper):
         extra = _skips(wrapper, i)
         p_ref, s_ref = reference(p_ref, s_ref, _grads(i, _params()), extra)
         p_new, s_new = fused(p_new, s_new, _grads(i, _params()), extra)
+        for a, b in zip(jax.tree.leaves(s_ref), jax.tree.leaves(s_new), strict=True):
+            assert jax.typeof(a) == jax.typeof(b)
+        ops = (i + 1) * OPS_PER_STEP
+        assert_close_across_programs(s_new, s_ref, ops=ops, err_msg=f"state {i}")
+        if not across_programs_exact():
+            assert_close_across_programs(p_new, p_ref, ops=ops, err_msg=f"params {i}")
+            continue
         for path, a, b in zip(
             jax.tree_util.tree_leaves_with_path(p_ref),
             jax.tree.leaves(p_ref),
@@ -107,9 +123,6 @@ def test_equals_update_then_apply_updates(inner, wrapper):
                 )
             else:
                 np.testing.assert_allclose(b, a, rtol=1e-6, atol=0, err_msg=str(path))
-        for a, b in zip(jax.tree.leaves(s_ref), jax.tree.leaves(s_new), strict=True):
-            assert jax.typeof(a) == jax.typeof(b)
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize(

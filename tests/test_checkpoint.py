@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import avals, to_np
+from _helpers import assert_close_across_programs, avals, to_np
 
 import optax_ext
 
@@ -198,7 +198,8 @@ def test_checkpoints_move_between_optax_and_optax_ext(
 
     - it equals, bit for bit, the target library continuing from its own
       restored copy of the checkpoint whenever the hyperparameter values
-      agree; float32 hyperparameters do, both ways;
+      agree; float32 hyperparameters do, both ways (bfloat16 bit for bit on
+      XLA:CPU, elsewhere within `assert_close_across_programs`'s bound);
     - optax stores hyperparameters in the params' dtype: from a bfloat16
       optax checkpoint optax_ext restores the bf16-rounded values
       (b2=0.999 -> 1.0) and continues as the bare factory given those values
@@ -254,9 +255,17 @@ def test_checkpoints_move_between_optax_and_optax_ext(
         dtype,
     )
     exact = target_lib is optax_ext or dtype == jnp.float32 or factory is optax.sgd
-    if exact:
+    if exact and dtype == jnp.float32:
         _assert_bits_equal(got_updates, bare_updates)
         _assert_bits_equal(got_params, bare_params)
+    elif exact:
+        # bfloat16, injected vs bare: bit for bit on XLA:CPU; elsewhere the
+        # two programs are compiled apart: within the bound of the steps run
+        # (32 roundings each, with room over adam's 20; one more for params).
+        steps = STEPS - SAVE_AT
+        for t, (u, w) in enumerate(zip(got_updates, bare_updates, strict=True)):
+            assert_close_across_programs(u, w, ops=(t + 1) * 32)
+        assert_close_across_programs(got_params, bare_params, ops=steps * 32 + 1)
     if dtype == jnp.float32:
         # float32: the two libraries agree with each other uninterrupted too.
         want_params, _, _ = _run(

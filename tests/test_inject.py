@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import avals, to_np
+from _helpers import across_programs_exact, assert_close_across_programs, avals, to_np
 
 import optax_ext
 
@@ -102,13 +102,21 @@ def test_bf16_adam_equals_bare_adam():
     p = {"w": jnp.ones(4, jnp.bfloat16)}
     g = {"w": jnp.full(4, 0.1, jnp.bfloat16)}
     bare = optax.adam(1e-2)
-    # Both jitted: bit for bit in bfloat16 holds between like forms.
+    # Both jitted: bit for bit in bfloat16 holds between like forms on
+    # XLA:CPU; elsewhere within the bound of one adam step (about 20
+    # roundings, with room), the two programs being compiled apart.
     want = jax.jit(bare.update)(g, bare.init(p), p)[0]["w"]
     for impl, ok in [(optax_ext, True), (optax, False)]:
         o = impl.inject_hyperparams(optax.adam)(learning_rate=1e-2)
         got = jax.jit(o.update)(g, o.init(p), p)[0]["w"]
         assert got.dtype == want.dtype
-        assert np.array_equal(to_np(got), to_np(want)) == ok, impl.__name__
+        if across_programs_exact():
+            assert np.array_equal(to_np(got), to_np(want)) == ok, impl.__name__
+        elif ok:
+            assert_close_across_programs(got, want, ops=32)
+        else:
+            with pytest.raises(AssertionError):
+                assert_close_across_programs(got, want, ops=32)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
@@ -217,9 +225,9 @@ def test_inner_optimizer_reads_the_value_as_written(wrap):
     """The wrappers hand the inner optimizer the state as the user wrote it:
     with `optax.inject_hyperparams`, bfloat16 params and a weakly typed
     learning rate written into the state, the updates stay bfloat16, equal
-    to the unwrapped optimizer's bit for bit (made strong before the step,
-    the rate promoted them to float32). Only the state returned gets
-    init's avals back."""
+    to the unwrapped optimizer's bit for bit on XLA:CPU (made strong before
+    the step, the rate promoted them to float32). Only the state returned
+    gets init's avals back."""
     inner = optax.inject_hyperparams(optax.sgd)(learning_rate=jnp.float32(1e-3))
     opt = WRITTEN_LR_WRAPPERS[wrap](inner)
     params = {"w": jnp.array([1.0, -2.0, 0.5], jnp.bfloat16)}
@@ -231,7 +239,9 @@ def test_inner_optimizer_reads_the_value_as_written(wrap):
     updates, state = jax.jit(opt.update)(grads, state, params)
     want, _ = jax.jit(inner.update)(grads, bare_state, params)
     assert updates["w"].dtype == want["w"].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(to_np(updates["w"]), to_np(want["w"]))
+    # Two programs: `-lr * g` rounds twice (once where XLA keeps the product
+    # in float32 and rounds it to bfloat16 after).
+    assert_close_across_programs(updates, want, ops=2)
     assert avals(state) == init_avals
 
 
@@ -410,19 +420,24 @@ def test_classification_rule():
 def test_checkpoint_round_trip_keeps_the_arithmetic():
     """Hyperparameters are stored strongly typed (weak types do not survive
     serialisation), so a restored state has the avals of the original; the
-    updates must still be those of the bare alias (bfloat16, bit for bit)."""
+    updates must still be those of the bare alias (bfloat16, bit for bit on
+    XLA:CPU; elsewhere within the bound of one adamw step)."""
     net = _net(jnp.bfloat16)
     opt = optax_ext.inject_hyperparams(optax.adamw)(SCHEDULE, b2=0.999)
     state = opt.init(net)
     restored = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state)
     assert avals(restored) == avals(state)
-    # Both jitted: bit for bit in bfloat16 holds between like forms.
+    # Both jitted: bit for bit in bfloat16 holds between like forms on
+    # XLA:CPU; elsewhere within the bound of one adamw step (about 22
+    # roundings, with room).
     u, new_state = eqx.filter_jit(opt.update)(_grads(net), restored, net)
     bare = optax.adamw(SCHEDULE, b2=0.999)
     want, _ = eqx.filter_jit(bare.update)(_grads(net), bare.init(net), net)
     for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(want), strict=True):
         assert a.dtype == b.dtype == jnp.bfloat16
-        np.testing.assert_array_equal(to_np(a), to_np(b))
+    assert_close_across_programs(
+        eqx.filter(u, eqx.is_array), eqx.filter(want, eqx.is_array), ops=32
+    )
     assert avals(new_state) == avals(state)
     assert not new_state.hyperparams["b2"].weak_type
 

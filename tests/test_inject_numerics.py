@@ -1,10 +1,12 @@
 """What injecting does to the arithmetic, exactly (docs/inject_hyperparams.md,
 "Numerics"): an injected hyperparameter is its value rounded to the dtype it
 is stored in (float32; float64 under x64), handed to the factory weakly typed.
-So the updates are, bit for bit, those of the bare factory given the rounded
-numbers; they differ from the bare factory given the unrounded Python numbers
-only where the factory combines hyperparameters in Python arithmetic (in
-float64), as adam's `1 - b2`."""
+So the updates are, bit for bit on XLA:CPU, those of the bare factory given
+the rounded numbers (elsewhere XLA compiles the two programs differently:
+bfloat16 within `_helpers.assert_close_across_programs`'s bound); they
+differ from the bare factory given the unrounded Python numbers only where
+the factory combines hyperparameters in Python arithmetic (in float64), as
+adam's `1 - b2`."""
 
 import inspect
 
@@ -14,7 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import to_np
+from _helpers import (
+    across_programs_exact,
+    assert_close_across_programs,
+    cross_program_tolerance,
+    to_np,
+)
 from hypothesis import given, settings
 
 import optax_ext
@@ -66,6 +73,15 @@ def _params(dtype):
     return {"w": jnp.linspace(-1, 1, 64).astype(dtype), "b": jnp.zeros(3, dtype)}
 
 
+# Rounding steps on the path to one entry of one step's updates (each
+# elementwise op once; a norm over a 64-entry leaf 63): adam's moments, bias
+# corrections, sqrt, eps, division and learning rate are about 20; lamb adds
+# the norms of the params and of the update over the leaf; lion takes a sign,
+# which flips when its argument is within a rounding of 0 (a swing of twice
+# the update: 2 / eps(bfloat16) = 256).
+OPS_PER_STEP = {"lamb": 32 + 2 * 63, "lion": 256}
+
+
 def _max_ulps(got, want):
     worst = 0
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -85,12 +101,19 @@ def _max_ulps(got, want):
 )
 @pytest.mark.parametrize("name", FACTORIES)
 def test_equals_bare_factory_given_float32_hyperparameters(name, dtype):
-    """0 ulps over 10 jitted steps."""
+    """0 ulps over 10 jitted steps: float32 on every backend (measured on an
+    H200 too); bfloat16 on XLA:CPU, and elsewhere within the bound of
+    `assert_close_across_programs` for step t's `t * OPS_PER_STEP` roundings."""
     factory, kwargs = FACTORIES[name]
     params = _params(dtype)
     injected = _run(optax_ext.inject_hyperparams(factory)(**kwargs), params, 10)
     bare = _run(_rounded(factory, kwargs), params, 10)
-    assert max(_max_ulps(a, b) for a, b in zip(injected, bare, strict=True)) == 0
+    if dtype == jnp.float32:
+        assert max(_max_ulps(a, b) for a, b in zip(injected, bare, strict=True)) == 0
+    for t, (a, b) in enumerate(zip(injected, bare, strict=True), start=1):
+        assert_close_across_programs(
+            a, b, ops=t * OPS_PER_STEP.get(name, 32), err_msg=f"step {t}"
+        )
 
 
 def test_x64_equals_bare_factory_exactly():
@@ -115,7 +138,9 @@ def test_float32_difference_from_unrounded_bare_is_the_documented_one():
     """The measurement docs/inject_hyperparams.md quotes: against adam given
     the Python floats (1 - 0.999 computed in float64), float32 updates differ
     by up to 1.2e-4 relative per entry over 50 steps; bfloat16 ones not at all;
-    with b1, b2, eps named in static_args (kept Python floats) not at all."""
+    with b1, b2, eps named in static_args (kept Python floats) not at all.
+    That is XLA:CPU's; other backends may add the rounding difference of two
+    programs compiled apart (`assert_close_across_programs`)."""
     factory, kwargs = FACTORIES["adam"]
 
     def max_relative(opt, dtype):
@@ -131,11 +156,30 @@ def test_float32_difference_from_unrounded_bare_is_the_documented_one():
         return worst
 
     injected = optax_ext.inject_hyperparams(factory)(**kwargs)
-    float32 = max_relative(injected, jnp.float32)
-    assert 0 < float32 <= 1.2e-4
-    assert max_relative(injected, jnp.bfloat16) == 0
     static = optax_ext.inject_hyperparams(factory, static_args=("b1", "b2", "eps"))
-    assert max_relative(static(**kwargs), jnp.float32) == 0
+    if across_programs_exact():
+        float32 = max_relative(injected, jnp.float32)
+        assert 0 < float32 <= 1.2e-4
+        assert max_relative(injected, jnp.bfloat16) == 0
+        assert max_relative(static(**kwargs), jnp.float32) == 0
+        return
+    # Other backends compile the injected and the bare programs differently
+    # (2.0e-4 measured on an H200): the documented 1.2e-4 of each entry plus
+    # the rounding bound of 50 steps of 32 roundings at the leaf's magnitude.
+    ops = 50 * OPS_PER_STEP.get("adam", 32)
+    params = _params(jnp.float32)
+    got, want = _run(injected, params, 50), _run(factory(**kwargs), params, 50)
+    moved = False
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        err = np.abs(to_np(a).astype(np.float64) - to_np(b).astype(np.float64))
+        bound = 1.2e-4 * np.abs(to_np(b)) + cross_program_tolerance(b, ops=ops)
+        assert (err <= bound).all(), np.max(err / bound)
+        moved |= bool((err > 0).any())
+    assert moved
+    for dtype, opt in [(jnp.bfloat16, injected), (jnp.float32, static(**kwargs))]:
+        params = _params(dtype)
+        got, want = _run(opt, params, 50), _run(factory(**kwargs), params, 50)
+        assert_close_across_programs(got, want, ops=ops, err_msg=str(dtype))
 
 
 # -- property tests against a float64 numpy reference -----------------------

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_exact_zeros, avals, to_np
+from _helpers import assert_close_across_programs, assert_exact_zeros, avals, to_np
 from hypothesis import given, settings
 
 import optax_ext
@@ -450,15 +450,20 @@ def test_state_is_interchangeable_with_optax(dtype):
     # both keep optax's float32 running mean, so the updates are bit-equal
     # (this compared at rtol 1e-2 with equal gradients, which hid any
     # difference in the mean).
-    # Both jitted: bit for bit in bfloat16 holds between like forms.
+    # Both jitted: bit for bit in bfloat16 holds between like forms on
+    # XLA:CPU; elsewhere within the bound of one adam step on the mean (about
+    # 20 roundings, with room), the two programs being compiled apart.
     ours_update, theirs_update = jax.jit(ours.update), jax.jit(theirs.update)
     _, s1 = theirs_update(g1, s_theirs, params)
     u_ours, _ = ours_update(g2, s1, params)
     _, s2 = ours_update(g1, s_ours, params)
     u_theirs, _ = theirs_update(g2, s2, params)
     for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_theirs), strict=True):
-        np.testing.assert_array_equal(to_np(a), to_np(b))
         assert a.dtype == b.dtype == dtype
+        if dtype == jnp.float32:
+            np.testing.assert_array_equal(to_np(a), to_np(b))
+    if dtype != jnp.float32:
+        assert_close_across_programs(u_ours, u_theirs, ops=32)
     assert ours.inner_opt.init is not None
     tx = ours.gradient_transformation()
     assert isinstance(tx, optax.GradientTransformation)
@@ -749,6 +754,9 @@ def test_bfloat16_gradients_computed_in_the_step_fold_as_bfloat16(form, inner):
     for name, acc in state.acc_grads.items():
         bits = np.asarray(acc).view(np.uint32)
         assert not (bits & 0xFFFF).any(), (name, [hex(b) for b in bits.ravel()])
-        np.testing.assert_array_equal(
-            np.asarray(acc), np.asarray(want[name], np.float32), err_msg=name
-        )
+    # The gradient itself is computed by two programs: bit for bit on
+    # XLA:CPU; elsewhere within the bound of its rounding steps (forward:
+    # a 3-long dot, bias, tanh, an 8-long dot, an 8-term mean; the backward
+    # pass as many again: about 48).
+    folded = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state.acc_grads)
+    assert_close_across_programs(folded, want, ops=48)

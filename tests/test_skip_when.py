@@ -5,11 +5,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import assert_exact_zeros, avals, to_np
+from _helpers import (
+    assert_close_across_programs,
+    assert_exact_zeros,
+    avals,
+    to_np,
+)
 
 import optax_ext
 
 SCHEDULE = optax.linear_schedule(1e-2, 1e-3, 10)
+
+
+# Rounding steps on the path to an entry of one step of adam (moments, bias
+# corrections, sqrt, eps, division, learning rate: about 20), with room.
+ADAM_OPS = 32
 
 
 def _params(dtype=jnp.float32):
@@ -36,6 +46,7 @@ def test_skipped_steps_leave_the_state_and_return_zeros(dtype):
         traces.append(None)
         return opt.update(grads, state, params, skip=skip)
 
+    taken = 0
     for i, skip in enumerate([False, True, True, False, True, False]):
         grads = _grads(params, 0.1 * (i + 1))
         updates, new_state = step(grads, state, jnp.asarray(skip))
@@ -48,13 +59,14 @@ def test_skipped_steps_leave_the_state_and_return_zeros(dtype):
                 np.testing.assert_array_equal(to_np(a), to_np(b))
         else:
             # Jitted, as `step` is: bit for bit in bfloat16 holds between
-            # compiled forms, not against eager op-by-op rounding.
+            # compiled forms on XLA:CPU, not against eager op-by-op rounding;
+            # elsewhere bfloat16 is within the bound of `taken` adam steps.
             want, ref_state = bare_update(grads, ref_state, params)
-            for a, b in zip(
-                jax.tree.leaves(updates), jax.tree.leaves(want), strict=True
-            ):
-                assert a.dtype == b.dtype
-                np.testing.assert_array_equal(to_np(a), to_np(b))
+            taken += 1
+            if dtype == jnp.float32:
+                _bits_equal(updates, want)
+            else:
+                assert_close_across_programs(updates, want, ops=taken * ADAM_OPS)
         state = new_state
     assert len(traces) == 1
 
@@ -111,7 +123,8 @@ def _bits_equal(got, want):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_without_the_flag_the_step_runs_as_the_bare_optimizer(dtype):
     """Issue 13: the flag was required on every update; without it the step is
-    not skipped (the documented default), bit for bit the bare optimizer."""
+    not skipped (the documented default), bit for bit the bare optimizer
+    (bfloat16: on XLA:CPU; elsewhere within the bound of the steps taken)."""
     params = _params(dtype)
     opt = optax_ext.skip_when(optax.adam(1e-2))
     bare = optax.adam(1e-2)
@@ -120,8 +133,13 @@ def test_without_the_flag_the_step_runs_as_the_bare_optimizer(dtype):
         grads = _grads(params, 0.1 * (i + 1))
         u, state = jax.jit(opt.update)(grads, state, params)
         want, ref_state = jax.jit(bare.update)(grads, ref_state, params)
-        _bits_equal(u, want)
-        _bits_equal(state, ref_state)
+        if dtype == jnp.float32:
+            _bits_equal(u, want)
+            _bits_equal(state, ref_state)
+        else:
+            ops = (i + 1) * ADAM_OPS
+            assert_close_across_programs(u, want, ops=ops, err_msg=f"step {i}")
+            assert_close_across_programs(state, ref_state, ops=ops)
 
 
 def test_flax_train_state_apply_gradients():
