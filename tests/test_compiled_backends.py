@@ -219,12 +219,11 @@ def temp_bound(backend, inner, dtype, form, bare_temp, params_bytes):
     kind = INNER[inner][2]
     if kind == "reduces":
         # The window's mean, read twice (the global norm, then the update),
-        # may be written out once: XLA:GPU does with many small leaves
-        # (0.89x for the GPT-2-like tree, 0.0005x for 4 large leaves).
-        # XLA:TPU, with the GPT-2-like tree's many small leaves, needs
-        # more: 2.35x (float32) and 2.77x (bfloat16, in float32 terms)
-        # above the bare step, against 1.0x aimed at; 0.13x and 0.28x with
-        # 4 large leaves (docs/performance.md).
+        # may be written out once: XLA:CPU does (1.0x); XLA:GPU needs 0.09x
+        # for the GPT-2-like tree, 0.001x for 4 large leaves. XLA:TPU, with
+        # the GPT-2-like tree's many small leaves, needs 2.41x above the
+        # bare step (float32), against 1.0x aimed at; 0.13x to 0.26x with 4
+        # large leaves (benchmarks/results/deviceless.md).
         slack += 3.0 * 4 / jnp.dtype(dtype).itemsize if backend == "tpu" else 1.0
     if kind == "nested":
         # The inner MultiSteps' own conditional takes the window's mean as
