@@ -74,8 +74,8 @@ def _counter_outside(update_if):
 VARIANTS = {
     "all": ("every mechanism on", ()),
     "no barrier": (
-        "the optimization barrier opening the running branch",
-        ((branch, "_barrier", lambda tree: tree),),
+        "the optimization barrier on the running branch's scalars",
+        ((branch, "_scalar_barrier", lambda tree, ran: (tree, ran)),),
     ),
     "no counter": (
         "the next mini_step out of the conditional (the accumulator's write "
@@ -230,15 +230,20 @@ def write(results: dict, path: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--inner", action="append", choices=list(INNER))
+    parser.add_argument("--layout", action="append", choices=list(LAYOUTS))
+    parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     backends = [b for b in ("cpu", "gpu", "tpu") if _compiled.unavailable(b) is None]
     results = {}
-    inners = ["adamw"] if args.quick else list(INNER)
-    layouts = list(LAYOUTS)[:1] if args.quick else list(LAYOUTS)
+    inners = ["adamw"] if args.quick else args.inner or list(INNER)
+    layouts = list(LAYOUTS)[:1] if args.quick else args.layout or list(LAYOUTS)
     for inner in inners:
         for layout in layouts:
             key = f"{inner}, {layout}"
-            results[key] = measure(inner, layout, backends, 2 if args.quick else 15)
+            results[key] = measure(
+                inner, layout, backends, 2 if args.quick else args.rounds
+            )
             print(key, "done", flush=True)
     if args.quick:
         print(json.dumps(results, indent=1)[:3000])
