@@ -25,6 +25,7 @@ import contextlib
 import json
 import statistics
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -172,9 +173,11 @@ def _runner(fn, opt, params, name):
     state = {"p": jax.tree.map(jnp.copy, params), "s": opt.init(params)}
     grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
 
-    def call():
+    def call() -> float:
+        start = time.perf_counter()
         state["p"], state["s"] = fn(state["p"], state["s"], grads)
         jax.block_until_ready(state["p"])
+        return time.perf_counter() - start
 
     return SimpleNamespace(name=name, call=call, times=[])
 
