@@ -101,6 +101,7 @@ import optax_ext  # noqa: E402
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+from run import code_version  # noqa: E402
 from train_step import accumulate_transform, plain_multi_steps  # noqa: E402
 
 RESULTS = HERE / "results" / "gpu"
@@ -709,19 +710,6 @@ def render(report: dict) -> str:
 
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
-
-
-def code_version() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "an unknown commit"
-    return f"commit {out.stdout.strip()}"
 
 
 # --- main ---------------------------------------------------------------------
