@@ -28,8 +28,11 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 # The versions the GPU machines run; another XLA assigns buffers otherwise.
 PINNED_JAX = "0.11.2"
 TARGET = pathlib.Path(__file__).parent / "data" / "h200_target.txtpb"
-# Set by `.ci/run` in the deviceless environment: a missing compiler fails.
+# `required` (set by `.ci/run`): `test_deviceless_runner.py` must find the
+# deviceless environment. `here` (set by that runner and by `nox -s
+# deviceless` in the environment itself): a compiler missing here fails.
 REQUIRED = os.environ.get("OPTAX_EXT_DEVICELESS") == "required"
+HERE = os.environ.get("OPTAX_EXT_DEVICELESS") == "here"
 
 
 def _installed(name: str) -> str | None:
