@@ -1,7 +1,9 @@
 """Small helpers shared by the tests (independent of optax_ext's code)."""
 
 import os
+import pathlib
 import re
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -223,3 +225,22 @@ def assert_close_across_programs(got, want, *, ops: int, magnitude=None, err_msg
             f"{where}: differs by up to {np.max(err / tol, initial=0):.3g} times "
             f"the bound of {ops} rounding steps of {w.dtype}\ngot  {gx}\nwant {wx}"
         )
+
+
+def child_pytest(python, args, env, what: str) -> str:
+    """Runs `python -m pytest -q *args` from the repository root with `env`
+    and returns its summary line; fails, with its output, unless it passed."""
+    root = pathlib.Path(__file__).parent.parent
+    result = subprocess.run(
+        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    summary = (result.stdout.strip().splitlines()[-1:] or ["(no output)"])[0]
+    assert result.returncode == 0, (
+        f"{what} failed ({summary}):\n{result.stdout[-8000:]}\n{result.stderr[-4000:]}"
+    )
+    return summary

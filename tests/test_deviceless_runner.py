@@ -8,10 +8,10 @@ build it; under `.ci/run` (`OPTAX_EXT_DEVICELESS=required`) they fail.
 
 import os
 import pathlib
-import subprocess
 
 import pytest
 from _compiled import REQUIRED
+from _helpers import child_pytest
 
 TESTS = pathlib.Path(__file__).parent
 BUILD = (
@@ -36,19 +36,11 @@ def test_gpu_and_tpu_compile_checks_pass():
         pytest.skip(f"no deviceless environment (`{BUILD}` builds it)")
     env = dict(os.environ, OPTAX_EXT_DEVICELESS="here", JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    result = subprocess.run(
-        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "-n", "2", "--dist", "loadgroup", "-k", "gpu or tpu",
-         str(TESTS / "test_compiled_backends.py")],
-        env=env,
-        cwd=TESTS.parent,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )  # fmt: skip
-    summary = result.stdout.strip().splitlines()[-1:] or ["(no output)"]
-    assert result.returncode == 0, (
-        f"GPU and TPU compile checks failed ({summary[0]}):\n"
-        f"{result.stdout[-8000:]}\n{result.stderr[-4000:]}"
+    args = ["-n", "2", "--dist", "loadgroup", "-k", "gpu or tpu"]
+    summary = child_pytest(
+        python,
+        [*args, str(TESTS / "test_compiled_backends.py")],
+        env,
+        "GPU and TPU compile checks",
     )
-    assert "skipped" not in summary[0], summary[0]
+    assert "skipped" not in summary, summary

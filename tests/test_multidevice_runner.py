@@ -8,11 +8,11 @@ a child pytest process started here with the flag set.
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import jax
 import pytest
+from _helpers import child_pytest
 from conftest import MULTIDEVICE_FLAG
 
 TESTS = pathlib.Path(__file__).parent
@@ -25,23 +25,12 @@ def test_multidevice_tests_pass_on_8_cpu_devices():
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {MULTIDEVICE_FLAG}".strip()
     env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "-m", "multidevice", str(TESTS)],
-        env=env,
-        cwd=TESTS.parent,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )  # fmt: skip
-    summary = result.stdout.strip().splitlines()[-1:] or ["(no output)"]
-    assert result.returncode == 0, (
-        f"multi-device tests failed ({summary[0]}):\n"
-        f"{result.stdout[-8000:]}\n{result.stderr[-4000:]}"
+    summary = child_pytest(
+        sys.executable, ["-m", "multidevice", str(TESTS)], env, "multi-device tests"
     )
     # Nothing is skipped there, but the docs page written for jax.lax.pcast
     # on a JAX without it (test_docs.py says why).
-    skipped = re.search(r"(\d+) skipped", summary[0])
+    skipped = re.search(r"(\d+) skipped", summary)
     expected = 0 if hasattr(jax.lax, "pcast") else 1
-    assert " passed" in summary[0], summary[0]
-    assert (int(skipped.group(1)) if skipped else 0) == expected, summary[0]
+    assert " passed" in summary, summary
+    assert (int(skipped.group(1)) if skipped else 0) == expected, summary
