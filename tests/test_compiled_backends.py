@@ -268,23 +268,36 @@ def test_donated_buffers_are_handed_back(backend, layout, inner, dtype, form):
 @pytest.mark.parametrize("emit", ["emit=False", "emit=True"])
 @pytest.mark.parametrize(
     "layout,inner,dtype",
-    [c for c in CASES if c.values[0] == "4 large" and c.values[1] in ("adamw", "lion")],
+    [
+        c
+        for c in CASES
+        if c.values[0] == "4 large"
+        or (c.values[1] in ("adamw", "clip+adamw") and c.values[2] == "float32")
+    ],
 )
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_host_chosen_steps_hold_no_conditional(backend, layout, inner, dtype, emit):
-    """`apply_gradients(..., emit=)`: no conditional on any backend; the
+    """`apply_gradients(..., emit=)`: no conditional of its own on any
+    backend (a nested MultiSteps keeps its own on the emitting step). The
     mini-step (`emit=False`) runs no op of the inner optimizer, copies no
     params leaf and needs no more than 2% of the params in temporary
-    memory; the emitting step (`emit=True`) runs it. Not yet tight: the
-    emitting step, once a window, copies the accumulator before clearing
-    it and its zeros (XLA:CPU: 8 to 12 copies, 1.25x to 3.5x the params in
-    temporary memory for these cases; docs/performance.md)."""
+    memory. The emitting step (`emit=True`) runs it, copies no more
+    params-leaf-sized arrays than the bare step (XLA:CPU copies Lion's
+    moment in both; and a nested MultiSteps' accumulator) and needs no more
+    temporary memory than the fused step with its conditional may
+    (`temp_bound`)."""
     _skip_unless(backend)
-    got, _ = _check(backend, layout, inner, dtype, emit)
-    assert got["conditionals"] == 0, got
+    got, bare = _check(backend, layout, inner, dtype, emit)
+    nested = INNER[inner][2] == "nested" and emit == "emit=True"
+    assert got["conditionals"] == int(nested), got
     if emit == "emit=False":
         assert got["copies"] == [], got["copies"]
         assert got["markers_outside"] == 0, got
         assert got["temp"] <= 0.02 * got["params"], got["temp"] / got["params"]
-    else:
-        assert got["markers_outside"] >= 1, got
+        return
+    # A nested MultiSteps runs the optimizer in its own conditional.
+    assert got["markers_inside" if nested else "markers_outside"] >= 1, got
+    if not nested:  # the inner MultiSteps' accumulator is copied on XLA:CPU
+        assert len(got["copies"]) <= len(bare["copies"]), got["copies"]
+    bound = temp_bound(backend, inner, dtype, "fused", bare["temp"], got["params"])
+    assert got["temp"] <= bound, (got["temp"] / got["params"], bare["temp"])

@@ -179,6 +179,42 @@ def _first_bits(x: jax.Array) -> jax.Array | None:
     return lax.convert_element_type(bits, jnp.uint32)
 
 
+def read_token(tree: PyTree) -> jax.Array | None:
+    """A bool scalar, `True` whatever the values, that XLA computes after
+    every array of `tree` (it reads one element of each) and cannot fold:
+    what is selected by it is ordered after them. `None` where no leaf can
+    be read (no number arrays, or one sharded in its type: `Explicit` axes
+    or inside `shard_map`, where one element has no type)."""
+    leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    if any(varying_axes(x) or typed_sharding(x) for x in leaves):
+        return None
+    bits = [b for b in map(_first_bits, leaves) if b is not None]
+    if not bits:
+        return None
+    # `b | 1 != 0`: true for every value, yet not foldable by XLA; computed
+    # once (a barrier), not inside each loop that selects by it.
+    v = lax.concatenate([lax.reshape(b, (1,)) for b in bits], 0)
+    ones = lax.ne(lax.bitwise_or(v, lax.full_like(v, 1)), lax.full_like(v, 0))
+    return lax.optimization_barrier(lax.reduce_and(ones, (0,)))
+
+
+def order_after(flag: jax.Array, tree: PyTree) -> tuple[jax.Array, PyTree]:
+    """`flag` and `tree` as they are, with `flag` computed after every
+    array of `tree`: a write selected by it (the accumulator's reset) comes
+    after every read that went into `tree`. On XLA:CPU `flag` is and-ed
+    with a `read_token` of `tree` (XLA:CPU before jaxlib 0.11 drops a
+    barrier whose other operand is a constant); elsewhere both go through
+    one barrier (a token there made XLA:TPU keep temporaries)."""
+
+    def cpu(flag, tree):
+        token = read_token(tree)
+        return (flag if token is None else jnp.logical_and(flag, token)), tree
+
+    return lax.platform_dependent(
+        flag, tree, cpu=cpu, default=lambda f, t: lax.optimization_barrier((f, t))
+    )
+
+
 def old_value_read_first(
     jaxpr: Any, first_state: int, n_state: int, n_updates: int
 ) -> list[bool]:
@@ -228,15 +264,9 @@ def _state_after_updates(
     def after(updates, state):
         # The updates returned are the barrier's: computed once, before.
         updates = lax.optimization_barrier(updates)
-        bits = [_first_bits(u) for u in updates]
-        bits = [lax.reshape(b, (1,)) for b in bits if b is not None]
-        if not bits:
+        token = read_token(updates)
+        if token is None:
             return updates, state
-        # `b | 1 != 0`: true for every value, yet not foldable by XLA; the
-        # token is computed once (a barrier), not inside each state loop.
-        v = lax.concatenate(bits, 0)
-        ones = lax.ne(lax.bitwise_or(v, lax.full_like(v, 1)), lax.full_like(v, 0))
-        token = lax.optimization_barrier(lax.reduce_and(ones, (0,)))
         return updates, [lax.select(token, x, lax.full_like(x, 0)) for x in state]
 
     updates, state = lax.platform_dependent(

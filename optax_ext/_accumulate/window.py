@@ -26,7 +26,7 @@ from .._apply import apply_gradients, merge_trainable
 from .._leaves import is_none
 from .._weighted import Weights
 from .arithmetic import fold, fold_weighted
-from .branch import update_if
+from .branch import order_after, update_if
 from .devices import PerDeviceState, SingleDeviceState
 
 
@@ -107,7 +107,9 @@ def run_window(
     With `emit` (a Python bool: the host knows which step ends a window)
     there is no conditional: `False` only folds, `True` runs the inner
     optimizer on this step's window; a traced reason not to (a skipped
-    step, a window of weight 0) then selects what came in."""
+    step, a window of weight 0) then selects what came in. There the
+    accumulator's reset is ordered after the results (`order_after`), so it
+    is written after they have read it."""
     decided_inside = weights is not None and isinstance(devices, PerDeviceState)
     pred = window_end
     if weights is not None and not decided_inside:
@@ -182,10 +184,12 @@ def run_window(
     else:
         result = arrays if fused else jax.tree.map(jnp.zeros_like, params)
         state_out, next_mini = state_in, mini_next
+    reset = jnp.logical_and(window_end, next_mini == 0)
+    if emit:
+        reset, (result, state_out) = order_after(reset, (result, state_out))
     if fused:
         result = merge_trainable(params, result)
     inner_state, emitted = state_out if decided_inside else (state_out, pred)
-    reset = jnp.logical_and(window_end, next_mini == 0)
     new = folded(grads, acc, mini_step, mean=mean, weights=weights, devices=devices)
 
     def store(n: jax.Array, a: jax.Array) -> jax.Array:
