@@ -20,7 +20,9 @@ said):
   that reduces over the updates, whose mean XLA may write out once; plus
   the accumulator's bytes for a nested MultiSteps); the drop-in one at
   most that plus the zero updates it returns (1.0x the params);
-- every donated buffer is handed back (aliased).
+- every donated buffer is handed back (aliased);
+- with params, state and gradients split over 4 devices under `jax.jit`
+  (FSDP), the same per device (GPU and TPU).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _compiled import HERE, compile_step, report, unavailable
+from _compiled import HERE, compile_step, mesh, report, unavailable
+from jax.sharding import NamedSharding, PartitionSpec
 
 import optax_ext
 
@@ -301,3 +304,67 @@ def test_host_chosen_steps_hold_no_conditional(backend, layout, inner, dtype, em
         assert len(got["copies"]) <= len(bare["copies"]), got["copies"]
     bound = temp_bound(backend, inner, dtype, "fused", bare["temp"], got["params"])
     assert got["temp"] <= bound, (got["temp"] / got["params"], bare["temp"])
+
+
+@functools.cache
+def _fsdp(backend, form, shardy=True):
+    """Adam-W's train step on 4 large leaves, params, state and gradients
+    split on their first axis over 4 devices of `backend` under `jax.jit`
+    (FSDP), compiled (partitioned by Shardy, or by GSPMD): its report, per
+    device."""
+    devices = mesh(backend, 4)
+    params = LAYOUTS["4 large"](jnp.float32)
+    tx = optax.adamw(1e-3)
+    opt = tx if form == "bare" else optax_ext.MultiSteps(tx, K)
+    step = _step(opt, "drop-in" if form == "bare" else form)
+
+    def shaped(tree):
+        def one(a):
+            spec = PartitionSpec("x") if a.ndim else PartitionSpec()
+            sharding = NamedSharding(devices, spec)
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+        return jax.tree.map(one, tree)
+
+    default = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    try:
+        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(
+            shaped(params), shaped(opt.init(params)), shaped(params)
+        )
+        compiled = lowered.compile()
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", default)
+    # A shard, or a whole leaf gathered.
+    out = report(compiled, {"[256,1024]", "[1024,1024]"}, ("sqrt",))
+    out["gathers"] = len(re.findall(r" all-gather(?:-start)?\(", compiled.as_text()))
+    out["per_device"] = _bytes(params) // 4
+    return out
+
+
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+@pytest.mark.parametrize("form", ["fused", "drop-in", "emit=False", "emit=True"])
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.xdist_group("fsdp")
+def test_fsdp_step_per_device(backend, form, shardy):
+    """FSDP under `jax.jit` on 4 devices: no all-gather, no copy of a
+    shard or a gathered leaf, and per device the temporary memory of the
+    bare step plus 2% of the params per device (plus the drop-in's zero
+    updates), partitioned by Shardy (JAX's default) or GSPMD. XLA:GPU under
+    Shardy gathers the conditional's operands in the emitting branch
+    instead: measured, marked, documented (docs/performance.md); the
+    host-chosen steps meet it."""
+    _skip_unless(backend)
+    got, bare = _fsdp(backend, form, shardy), _fsdp(backend, "bare", shardy)
+    slack = 1.02 if form == "drop-in" else 0.02
+    bound = bare["temp"] + slack * got["per_device"]
+    ok = got["gathers"] == 0 and got["temp"] <= bound
+    if not ok and shardy and backend == "gpu" and form in ("fused", "drop-in"):
+        pytest.xfail(
+            f"XLA:GPU (Shardy) gathers in the emitting branch: {got['gathers']} "
+            f"all-gathers, {got['temp'] / got['per_device']:.2f}x per device"
+        )
+    assert got["conditionals"] == (form in ("fused", "drop-in")), got
+    assert got["gathers"] == 0, got
+    assert got["copies"] == [] and got["branch_copies"] == [], got
+    assert got["temp"] <= bound, got["temp"] / got["per_device"]
