@@ -7,7 +7,9 @@ then Adam-W) leaves the mean, and what each backend then needs.
 for the GPT-2-like tree of `tests/test_compiled_backends.py` in float32,
 window of 4, params and state donated, five train steps for XLA:CPU, an
 H200 and a TPU v5e, and writes `benchmarks/results/reduction_forms.md`:
-the conditionals kept and the temporary memory over the params' bytes.
+the conditionals kept and the temporary memory over the params' bytes;
+and on XLA:CPU alone, for SGD with Nesterov momentum, Adafactor and Adam
+on 8 leaves of (1000, 500), three of the forms.
 
 - `bare`: the inner chain's own step;
 - `bare in cond`: that step inside a `lax.cond` (what the conditional costs);
@@ -103,6 +105,14 @@ def forms(tx):
     }
 
 
+CPU_FORMS = ("bare", "optax_ext fused", "mean folded before")
+CPU_INNER = {
+    "sgd nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "adafactor": lambda: optax.adafactor(1e-3),
+    "adam": lambda: optax.adam(1e-3),
+}
+
+
 def main() -> None:
     backends = [b for b in t.BACKENDS if _compiled.unavailable(b) is None]
     params = t.LAYOUTS["gpt2-like"](jnp.float32)
@@ -128,6 +138,27 @@ def main() -> None:
             )
             got = _compiled.report(compiled, set(), ("sqrt",))
             cells.append(f"{got['conditionals']} cond, {got['temp'] / size:.3f}x")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    lines += [
+        "",
+        "XLA:CPU, 8 leaves of (1000, 500), float32: other inner optimizers "
+        "that read the mean more than once (temporary memory over the params' "
+        "bytes).",
+        "",
+        "| inner | " + " | ".join(CPU_FORMS) + " |",
+        "|---|" + "---|" * len(CPU_FORMS),
+    ]
+    params = {f"w{i}": jnp.zeros((1000, 500)) for i in range(8)}
+    size = t._bytes(params)
+    for name, make in CPU_INNER.items():
+        made = forms(make())
+        cells = []
+        for form in CPU_FORMS:
+            step, init = made[form]
+            compiled = _compiled.compile_step("cpu", step, params, init(params), params)
+            temp = compiled.memory_analysis().temp_size_in_bytes
+            cells.append(f"{temp / size:.3f}x")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     out = ROOT / "benchmarks" / "results" / "reduction_forms.md"
