@@ -529,6 +529,14 @@ def _get(ms: dict, mode: str, name: str, form: str) -> float | None:
     return ms.get(mode, {}).get(name, {}).get(form)
 
 
+def _ratio_rows(names, ratios) -> list[str]:
+    """A table row per name: its `ratios(name)`, two decimals."""
+    return [
+        f"| {name} | " + " | ".join(_fmt(r, 2) for r in ratios(name)) + " |"
+        for name in names
+    ]
+
+
 def _fmt(x: float | None, digits: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
@@ -648,13 +656,14 @@ def render(report: dict) -> str:
             "| window scan | window host |",
             "|---|---|---|---|---|---|---|",
         ]
-        for name in CANDIDATES[1:]:
-            cells = [
-                _fmt(_div(_get(ms, m, "optax", f), _get(ms, m, name, f)), 2)
+        lines += _ratio_rows(
+            CANDIDATES[1:],
+            lambda name, ms=ms: [
+                _div(_get(ms, m, "optax", f), _get(ms, m, name, f))
                 for m in MODES
                 for f in FORMS
-            ]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            ],
+        )
         lines += [
             "",
             "Mini-step over the floors (candidate / floor):",
@@ -664,13 +673,14 @@ def render(report: dict) -> str:
             "| / drop-in floor, scan | / drop-in floor, host |",
             "|---|---|---|---|---|---|---|",
         ]
-        for name in CANDIDATES + FLOORS[1:]:
-            cells = [
-                _fmt(_div(_get(ms, "mini", name, f), _get(ms, "mini", floor, f)), 2)
+        lines += _ratio_rows(
+            CANDIDATES + FLOORS[1:],
+            lambda name, ms=ms: [
+                _div(_get(ms, "mini", name, f), _get(ms, "mini", floor, f))
                 for floor in FLOORS
                 for f in FORMS
-            ]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            ],
+        )
         lines += [
             "",
             "Issue 33 targets:",
