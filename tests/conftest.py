@@ -41,3 +41,20 @@ def pytest_collection_modifyitems(config, items):
     )
     for item in marked:
         item.add_marker(skip)
+
+
+@pytest.fixture(params=["fold first", "fold in branch"])
+def window_form(request, monkeypatch):
+    """Runs a test with each form of a window's step: the accumulator
+    folded before the conditional, or inside its running branch. Which one
+    a program gets depends on jaxlib's version and the backend
+    (`optax_ext/_accumulate/window.folds_in_branch`), so the tests that
+    take this fixture check both, whatever runs them. JAX's caches are
+    cleared around it: a trace of the other form must not be reused."""
+    from optax_ext._accumulate import window
+
+    in_branch = request.param == "fold in branch"
+    jax.clear_caches()
+    monkeypatch.setattr(window, "folds_in_branch", lambda: in_branch)
+    yield request.param
+    jax.clear_caches()

@@ -16,10 +16,10 @@ said):
 - no array of a params leaf's shape (of at least 2**16 elements) is
   copied on a mini-step, nor, on XLA:GPU, on an emitting step;
 - the fused step needs at most the bare inner optimizer's train step's
-  temporary memory plus 2% of the params' bytes (plus 1.0x with a chain
-  that reduces over the updates, whose mean XLA may write out once; plus
-  the accumulator's bytes for a nested MultiSteps); the drop-in one at
-  most that plus the zero updates it returns (1.0x the params);
+  temporary memory plus 2% of the params' bytes (`temp_bound` says what
+  more a chain that reduces over the updates may need on XLA:TPU, and
+  half precision and a nested MultiSteps); the drop-in one at most that
+  plus the zero updates it returns (1.0x the params);
 - every donated buffer is handed back (aliased);
 - with params, state and gradients split over 4 devices under `jax.jit`
   (FSDP), the same per device (GPU and TPU).
@@ -222,25 +222,41 @@ def test_mini_step_runs_no_inner_optimizer(backend, layout, inner, dtype, form):
         assert got["branch_copies"] == [], got["branch_copies"]
 
 
+def folds_in_branch(backend):
+    """Whether the running branch folds the gradients itself (XLA:CPU
+    before jaxlib 0.11, `optax_ext/_accumulate/window.folds_in_branch`)
+    rather than reading the accumulator folded before the conditional."""
+    return backend == "cpu" and _jaxlib() < (0, 11, 0)
+
+
 def temp_bound(backend, inner, dtype, form, bare_temp, params_bytes):
     """The most temporary memory the step may need (module docstring)."""
     slack = 0.02
     kind = INNER[inner][2]
-    if kind == "reduces":
-        # The window's mean, read twice (the global norm, then the update),
-        # may be written out once: XLA:CPU does (1.0x); XLA:GPU needs 0.09x
-        # for the GPT-2-like tree, 0.001x for 4 large leaves. XLA:TPU, with
-        # the GPT-2-like tree's many small leaves, needs 2.41x above the
-        # bare step (float32), against 1.0x aimed at; 0.13x to 0.26x with 4
-        # large leaves (benchmarks/results/deviceless.md).
-        slack += 3.0 * 4 / jnp.dtype(dtype).itemsize if backend == "tpu" else 1.0
-    if kind == "nested":
-        # The inner MultiSteps' own conditional takes the window's mean as
-        # an operand: a buffer, in the accumulator's float32.
+    narrow = jnp.dtype(dtype).itemsize < 4
+    if kind == "reduces" and folds_in_branch(backend):
+        # The window's mean, computed in the branch and read twice (the
+        # global norm, then the update), is written out once: 1.0x.
+        slack += 1.0
+    elif kind == "reduces" and backend == "tpu":
+        # The issue's aim: within 1.0x of the bare step. XLA:TPU needs
+        # +0.50x (fused), +0.78x (drop-in, above its zero updates), +0.92x
+        # (emit=True) with the GPT-2-like tree (benchmarks/results/deviceless.md).
+        slack += 1.0
+    elif kind == "reduces" and backend == "gpu" and form == "emit=True":
+        # XLA:GPU writes out one large leaf's mean (0.25x of 4 leaves).
+        slack += 0.25
+    if kind == "nested" and folds_in_branch(backend):
+        # The inner MultiSteps' conditional takes the window's mean as an
+        # operand: a buffer, in the accumulator's float32.
         slack += 4 / jnp.dtype(dtype).itemsize
-    if backend == "cpu" and jnp.dtype(dtype).itemsize < 4:
+    elif kind == "nested":
+        # The mean handed to the inner MultiSteps in half precision, below
+        # its float32 accumulator; drop-in, the inner one's zero updates.
+        slack += float(narrow) + float(form == "drop-in")
+    if backend == "cpu" and narrow:
         # XLA:CPU rounds the float32 mean to the half-precision gradients'
-        # dtype in a loop of its own: written out once, as it did before this design.
+        # dtype in a loop of its own: written out once.
         slack += 1.0
     if form == "drop-in":
         slack += 1.0  # the zero updates it returns
@@ -306,9 +322,10 @@ def test_host_chosen_steps_hold_no_conditional(backend, layout, inner, dtype, em
         return
     # A nested MultiSteps runs the optimizer in its own conditional.
     assert got["markers_inside" if nested else "markers_outside"] >= 1, got
-    if not nested:  # the inner MultiSteps' accumulator is copied on XLA:CPU
+    if not (nested and folds_in_branch(backend)):
+        # Where the branch folds, XLA:CPU copies the inner accumulator.
         assert len(got["copies"]) <= len(bare["copies"]), got["copies"]
-    bound = temp_bound(backend, inner, dtype, "fused", bare["temp"], got["params"])
+    bound = temp_bound(backend, inner, dtype, emit, bare["temp"], got["params"])
     assert got["temp"] <= bound, (got["temp"] / got["params"], bare["temp"])
 
 

@@ -48,7 +48,7 @@ def _close(got, want, tol=1e-6):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
 
 
-def test_host_chosen_windows_equal_optax_on_the_window_mean():
+def test_host_chosen_windows_equal_optax_on_the_window_mean(window_form):
     """Three windows of K mini-steps, the last of each with `emit=True`:
     the params after each window are optax's adamw step on the window's
     mean (float64, rounded once), the params between emitting steps are

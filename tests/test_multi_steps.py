@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from _helpers import assert_close_across_programs, assert_exact_zeros, avals, to_np
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 
 import optax_ext
 
@@ -231,7 +231,7 @@ def test_inf_gradient_gives_zeros_on_mini_steps(impl):
 
 @pytest.mark.parametrize("bad", [nan, inf])
 @pytest.mark.parametrize("impl", [OURS, upstream("resets with 0 * acc")])
-def test_bad_value_stays_in_its_window(impl, bad):
+def test_bad_value_stays_in_its_window(impl, bad, window_form):
     """The reproducer of upstream-optax.md item 1, with NaN and with inf."""
     opt = impl(optax.chain(optax_ext.zero_nans(), optax.sgd(1.0)), every_k_schedule=2)
     params = {"w": jnp.zeros(2)}
@@ -267,7 +267,7 @@ def _reference_run(make_inner, grads, ks, use_grad_mean):
     return outs
 
 
-@settings(max_examples=15)
+@settings(max_examples=15, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     k_table=st.lists(st.integers(1, 4), min_size=1, max_size=4),
     n_steps=st.integers(1, 12),
@@ -276,7 +276,7 @@ def _reference_run(make_inner, grads, ks, use_grad_mean):
     as_function=st.booleans(),
 )
 def test_emitted_updates_match_reference(
-    k_table, n_steps, use_grad_mean, seed, as_function
+    k_table, n_steps, use_grad_mean, seed, as_function, window_form
 ):
     if as_function:
 
@@ -363,7 +363,7 @@ def test_has_updated_and_counters():
 # --- should_skip_update_fn -----------------------------------------------------
 
 
-def test_skip_not_finite_drops_the_mini_step():
+def test_skip_not_finite_drops_the_mini_step(window_form):
     opt = optax_ext.MultiSteps(
         optax.sgd(1.0), every_k_schedule=3, should_skip_update_fn=optax.skip_not_finite
     )
@@ -760,3 +760,16 @@ def test_bfloat16_gradients_computed_in_the_step_fold_as_bfloat16(form, inner):
     # pass as many again: about 48).
     folded = jax.tree.map(lambda a: a.astype(jnp.bfloat16), state.acc_grads)
     assert_close_across_programs(folded, want, ops=48)
+
+
+def test_window_form_fixture_gives_each_form(window_form):
+    """The `window_form` fixture the reference tests above take switches
+    the form: where the branch folds, the conditional reads the gradients
+    as they came in; folded first, it reads the accumulator the fold wrote
+    and not the gradients."""
+    opt = optax_ext.MultiSteps(optax.adam(1e-3), 3)
+    params = jnp.zeros(5)
+    closed = jax.make_jaxpr(opt.update)(params, opt.init(params), params)
+    grads = closed.jaxpr.invars[0]
+    (cond,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
+    assert (grads in cond.invars) == (window_form == "fold in branch")

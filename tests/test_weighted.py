@@ -16,7 +16,7 @@ import optax
 import pytest
 from _helpers import avals
 from _tokens import concat, grad, micro_batch, params32, tokens
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 
 import optax_ext
 
@@ -110,7 +110,9 @@ def _weighted_run(opt, params, windows, form):
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("inner", INNERS)
-def test_weighted_window_equals_inner_optimizer_on_big_batch_token_mean(inner, form):
+def test_weighted_window_equals_inner_optimizer_on_big_batch_token_mean(
+    inner, form, window_form
+):
     params = params32()
     windows = _batches(WINDOWS)
     opt = optax_ext.MultiSteps(INNERS[inner](), K, weighted=True)
@@ -185,14 +187,14 @@ def test_all_padding_window_leaves_inner_state_bit_identical():
     assert not any(np.isnan(a).any() for a in jax.tree.leaves(state.acc_grads))
 
 
-@settings(max_examples=12)
+@settings(max_examples=12, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.lists(
         st.lists(st.integers(0, 32), min_size=K, max_size=K), min_size=1, max_size=3
     ),
     st.integers(0, 2**16),
 )
-def test_random_token_counts_give_the_big_batch_gradient(windows, seed):
+def test_random_token_counts_give_the_big_batch_gradient(window_form, windows, seed):
     """sgd(1.0)'s update is minus the emitted gradient: it equals minus the
     big batch's token-mean gradient for any token counts, zeros included."""
     params = params32()

@@ -3,16 +3,18 @@ and at the end of a window the inner optimizer on the window's mean, in
 one conditional (`update_if`). A weighted window runs only where its
 weights sum to more than 0.
 
-The conditional reads the accumulator as it came in and computes the
-window's mean itself; the fold that writes the accumulator comes after it
-(it reads the conditional's counter), so the accumulator, the inner state
-and the params stay in their donated buffers on every backend
-(`docs/design.md`, "One conditional on every backend").
+The fold writes the accumulator before the conditional, which reads it
+as the window's mean; the accumulator's reset comes after it (it reads the
+conditional's counter), so the accumulator, the inner state and the params
+stay in their donated buffers on every backend (`docs/design.md`, "One
+conditional on every backend").
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from importlib.metadata import version
 from typing import Any
 
 import equinox as eqx
@@ -28,6 +30,18 @@ from .._weighted import Weights
 from .arithmetic import fold, fold_weighted
 from .branch import order_after, update_if
 from .devices import PerDeviceState, SingleDeviceState
+
+_JAXLIB = tuple(int(x) for x in re.findall(r"\d+", version("jaxlib"))[:2])
+
+
+def folds_in_branch() -> bool:
+    """Whether the running branch folds the gradients into the accumulator
+    itself, rather than reading the fold written before the conditional:
+    only where XLA:CPU before jaxlib 0.11 compiles the step, which keeps a
+    fold read by the conditional out of the accumulator's buffer (+1x the
+    params for Adam; `docs/design.md`, "One conditional on every
+    backend")."""
+    return _JAXLIB < (0, 11) and jax.default_backend() == "cpu"
 
 
 def _keep_or(keep: jax.Array, new: PyTree, old: PyTree) -> PyTree:
@@ -84,18 +98,14 @@ def run_window(
     fused: bool,
     emit: bool | None = None,
 ) -> tuple[PyTree, PyTree, PyTree, jax.Array, jax.Array]:
-    """One mini-step: `inner` on the window's mean (`as_gradients` casts it
-    to the gradients' dtypes) where the window ends, in one `update_if`,
-    then `grads` folded into `acc` (kept where `should_skip`), cleared
-    where the window ended. Returns the updates (or, `fused`, the new
-    params from `apply_gradients(fusable_inner, ...)`), the inner state,
-    the accumulator, the next `mini_step` (`mini_next`, out of the
+    """One mini-step: `grads` folded into `acc` (kept where
+    `should_skip`), then `inner` on the window's mean (`as_gradients` casts
+    it to the gradients' dtypes) where the window ends, in one `update_if`,
+    then the accumulator cleared where the window ended. Returns the
+    updates (or, `fused`, the new params from
+    `apply_gradients(fusable_inner, ...)`), the inner state, the
+    accumulator, the next `mini_step` (`mini_next`, out of the
     conditional), and whether the inner optimizer ran.
-
-    `may_emit_first`: whether a window may end on its first mini-step (a
-    window of 1); where it cannot, the mean is folded without the select
-    of a first value, which lets XLA:GPU fuse it into each of its readers
-    instead of writing it out (`clip_by_global_norm` reads it twice).
 
     Weighted, whether the window's weights sum to more than 0 is known
     before the `cond` on one device (in its predicate); per device only
@@ -103,6 +113,12 @@ def run_window(
     updates (zeros), the inner state and the params as they came in where
     the sum over the devices is 0, and hands the decision out with the
     inner state.
+
+    Where `folds_in_branch()`, the conditional reads the gradients and the
+    accumulator as they came in and the running branch folds them itself;
+    `may_emit_first` then says whether a window may end on its first
+    mini-step (a window of 1): where it cannot, that fold has no select of
+    a first value.
 
     With `emit` (a Python bool: the host knows which step ends a window)
     there is no conditional: `False` only folds, `True` runs the inner
@@ -114,25 +130,41 @@ def run_window(
     pred = window_end
     if weights is not None and not decided_inside:
         pred = jnp.logical_and(window_end, weights.total > 0)
+    new = jax.tree.map(
+        lambda n, a: lax.select(should_skip, a, n),
+        folded(grads, acc, mini_step, mean=mean, weights=weights, devices=devices),
+        acc,
+    )
+    if folds_in_branch():
+        operands: tuple = (grads, acc, mini_step, weights)
 
-    def window_grads(grads, acc, mini_step, weights):
-        acc = folded(
-            grads,
-            acc,
-            mini_step,
-            mean=mean,
-            weights=weights,
-            devices=devices,
-            may_be_first=may_emit_first,
-        )
+        def window_acc(grads, acc, mini_step, weights):
+            acc = folded(
+                grads,
+                acc,
+                mini_step,
+                mean=mean,
+                weights=weights,
+                devices=devices,
+                may_be_first=may_emit_first,
+            )
+            return acc, weights
+
+    else:
+        operands = (new, weights)
+        window_acc = lambda acc, weights: (acc, weights)  # noqa: E731
+
+    def window_grads(operands):
+        acc, weights = window_acc(*operands)
         if weights is None:
             mean_, keep = devices.window_mean(acc), None
         else:
             mean_, keep = devices.window_weighted_mean(acc, weights.total)
         return as_gradients(mean_), keep
 
-    def inner_update(grads, acc, mini_step, weights, state):
-        mean_, keep = window_grads(grads, acc, mini_step, weights)
+    def inner_update(*args):
+        *operands, state = args
+        mean_, keep = window_grads(operands)
         if keep is None:
             return inner.update(mean_, state, params, **extra_args)
         state, _ = state
@@ -140,8 +172,9 @@ def run_window(
         out = jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), out)
         return out, (_keep_or(keep, new, state), keep)
 
-    def inner_apply(grads, acc, mini_step, weights, state, arrays):
-        mean_, keep = window_grads(grads, acc, mini_step, weights)
+    def inner_apply(*args):
+        *operands, state, arrays = args
+        mean_, keep = window_grads(operands)
         state = state if keep is None else state[0]
         new_params, new = apply_gradients(
             fusable_inner, mean_, state, merge_trainable(params, arrays), **extra_args
@@ -155,13 +188,12 @@ def run_window(
     state_in = (
         (inner_state, jnp.zeros((), jnp.bool_)) if decided_inside else inner_state
     )
-    operands = (grads, acc, mini_step, weights)
     # The params' arrays go through the conditional; their other leaves (an
     # Equinox model's Python numbers and functions) stay outside.
     arrays = _arrays_at(params, params) if fused else None
     if emit is None:
         # The next counter comes out of the conditional (0 where it ran),
-        # and with it the order: the accumulator is written after the reads.
+        # and with it the order: the accumulator is cleared after the reads.
         result, state_out, next_mini = update_if(
             pred,
             inner_apply if fused else inner_update,
@@ -190,10 +222,5 @@ def run_window(
     if fused:
         result = merge_trainable(params, result)
     inner_state, emitted = state_out if decided_inside else (state_out, pred)
-    new = folded(grads, acc, mini_step, mean=mean, weights=weights, devices=devices)
-
-    def store(n: jax.Array, a: jax.Array) -> jax.Array:
-        n = lax.select(should_skip, a, n)
-        return lax.select(reset, lax.full_like(n, 0), n)
-
-    return result, inner_state, jax.tree.map(store, new, acc), next_mini, emitted
+    cleared = jax.tree.map(lambda n: lax.select(reset, lax.full_like(n, 0), n), new)
+    return result, inner_state, cleared, next_mini, emitted
