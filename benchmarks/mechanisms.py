@@ -41,7 +41,6 @@ from run import machine, time_interleaved  # noqa: E402
 
 import optax_ext  # noqa: E402
 from optax_ext._accumulate import branch, window  # noqa: E402
-from optax_ext._accumulate.arithmetic import fold as _fold  # noqa: E402
 
 K = 4
 INNER = {
@@ -91,15 +90,10 @@ VARIANTS = {
         "on XLA:CPU, a state leaf whose old value the updates read after them",
         ((branch, "_state_after_updates", lambda leaves, n, to_order: leaves),),
     ),
-    "select in mean": (
-        "the window's mean folded without the first value's select (k > 1)",
-        (
-            (
-                window,
-                "fold",
-                lambda g, a, i, mean, may_be_first=True: _fold(g, a, i, mean),
-            ),
-        ),
+    "branch folds": (
+        "the fold before the conditional: the running branch folds the "
+        "gradients itself (the form of XLA:CPU before jaxlib 0.11)",
+        ((window, "folds_in_branch", lambda: True),),
     ),
 }
 _ORIGINAL_DISTINCT_ZEROS = branch.distinct_zeros

@@ -5,17 +5,21 @@ then Adam-W) leaves the mean, and what each backend then needs.
 
 (the environment of `tests/data/deviceless-requirements.txt`) compiles,
 for the GPT-2-like tree of `tests/test_compiled_backends.py` in float32,
-window of 4, params and state donated, five train steps for XLA:CPU, an
+window of 4, params and state donated, six train steps for XLA:CPU, an
 H200 and a TPU v5e, and writes `benchmarks/results/reduction_forms.md`:
 the conditionals kept and the temporary memory over the params' bytes;
-and on XLA:CPU alone, for SGD with Nesterov momentum, Adafactor and Adam
-on 8 leaves of (1000, 500), three of the forms.
+and on XLA:CPU alone, for SGD with Nesterov momentum, Adafactor, Adam and
+Lion on 8 leaves of (1000, 500), three of the forms.
 
 - `bare`: the inner chain's own step;
 - `bare in cond`: that step inside a `lax.cond` (what the conditional costs);
-- `optax_ext fused`: `apply_gradients` (the mean computed in the branch);
-- `mean folded before`: the running mean folded into the accumulator
-  before the conditional, which reads it as a buffer, then clears it;
+- `optax_ext fused`: `apply_gradients`, the form jax 0.11 gets: the
+  running mean folded into the accumulator before the conditional, which
+  reads it as a buffer, the reset ordered after it;
+- `optax_ext, branch folds`: `apply_gradients` in the form XLA:CPU gets
+  before jaxlib 0.11, the mean computed in the running branch;
+- `mean folded before`: the fold before the conditional, its reset not
+  ordered after it;
 - `accumulator through`: the accumulator an operand and a result of the
   conditional (the fold in the idle branch, zeros in the running one).
 """
@@ -37,6 +41,7 @@ from jax import lax  # noqa: E402
 from run import machine  # noqa: E402
 
 import optax_ext  # noqa: E402
+from optax_ext._accumulate import window  # noqa: E402
 
 K = 4
 
@@ -88,6 +93,15 @@ def forms(tx):
         return params, ((n + 1) % K, acc, inner)
 
     ms = optax_ext.MultiSteps(tx, K)
+
+    def branch_folds(params, state, grads):
+        kept = window.folds_in_branch
+        window.folds_in_branch = lambda: True  # while this step is traced
+        try:
+            return optax_ext.apply_gradients(ms, grads, state, params)
+        finally:
+            window.folds_in_branch = kept
+
     counter = lambda: jnp.zeros((), jnp.int32)  # noqa: E731
     zeros = lambda p: jax.tree.map(jnp.zeros_like, p)  # noqa: E731
     return {
@@ -97,6 +111,7 @@ def forms(tx):
             lambda p, s, g: optax_ext.apply_gradients(ms, g, s, p),
             ms.init,
         ),
+        "optax_ext, branch folds": (branch_folds, ms.init),
         "mean folded before": (
             folded_before,
             lambda p: (counter(), zeros(p), tx.init(p)),
@@ -105,11 +120,15 @@ def forms(tx):
     }
 
 
-CPU_FORMS = ("bare", "optax_ext fused", "mean folded before")
+CPU_FORMS = ("bare", "optax_ext fused", "optax_ext, branch folds")
 CPU_INNER = {
     "sgd nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
     "adafactor": lambda: optax.adafactor(1e-3),
     "adam": lambda: optax.adam(1e-3),
+    "lion": lambda: optax.lion(1e-4),
+    "clip+adamw": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(1e-3)
+    ),
 }
 
 

@@ -227,6 +227,16 @@ def assert_close_across_programs(got, want, *, ops: int, magnitude=None, err_msg
         )
 
 
+def cpu_branch_folds() -> bool:
+    """Whether XLA:CPU steps of `MultiSteps` fold the gradients in the
+    conditional's running branch (jaxlib below 0.11) rather than before it
+    (`optax_ext/_accumulate/window.folds_in_branch`)."""
+    from importlib.metadata import version
+
+    found = re.match(r"(\d+)\.(\d+)", version("jaxlib"))
+    return tuple(int(x) for x in found.groups()) < (0, 11)
+
+
 def child_pytest(python, args, env, what: str) -> str:
     """Runs `python -m pytest -q *args` from the repository root with `env`
     and returns its summary line; fails, with its output, unless it passed."""

@@ -4,6 +4,8 @@ the environment that can compile for an H200 and a TPU v5e without either
 libtpu, on Python 3.12): `.venv-deviceless`, or the Python named by
 `OPTAX_EXT_DEVICELESS_PYTHON`. Without one the checks skip, saying how to
 build it; under `.ci/run` (`OPTAX_EXT_DEVICELESS=required`) they fail.
+There, too, the XLA:CPU checks of params sharded under `jax.jit`
+(`test_sharded.py`), whose update path differs below jaxlib 0.11.
 """
 
 import os
@@ -28,12 +30,17 @@ def _python() -> pathlib.Path | None:
     return path if path.exists() else None
 
 
-def test_gpu_and_tpu_compile_checks_pass():
+def _python_or_skip() -> pathlib.Path:
     python = _python()
     if python is None:
         if REQUIRED:
             pytest.fail(f"no deviceless environment: build it with `{BUILD}`")
         pytest.skip(f"no deviceless environment (`{BUILD}` builds it)")
+    return python
+
+
+def test_gpu_and_tpu_compile_checks_pass():
+    python = _python_or_skip()
     env = dict(os.environ, OPTAX_EXT_DEVICELESS="here", JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     # With the XLA:CPU cases whose form differs below jaxlib 0.11 (Lion,
@@ -51,5 +58,24 @@ def test_gpu_and_tpu_compile_checks_pass():
         [*args, str(TESTS / "test_compiled_backends.py")],
         env,
         "GPU and TPU compile checks",
+    )
+    assert "skipped" not in summary, summary
+
+
+def test_sharded_checks_pass_with_jaxlib_0_11():
+    """`test_sharded.py` on 8 simulated CPU devices with jax 0.11.2, where
+    the fold comes before the conditional (`window.folds_in_branch`)."""
+    python = _python_or_skip()
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    )
+    env.pop("OPTAX_EXT_DEVICELESS", None)
+    summary = child_pytest(
+        python,
+        ["-n", "2", str(TESTS / "test_sharded.py")],
+        env,
+        "sharded checks with jax 0.11",
     )
     assert "skipped" not in summary, summary

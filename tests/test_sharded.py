@@ -18,7 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _helpers import collectives_by_step, hlo_computations, reachable
+from _helpers import (
+    collectives_by_step,
+    cpu_branch_folds,
+    hlo_computations,
+    reachable,
+)
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -183,17 +188,19 @@ def test_sharded_step_keeps_buffers_in_place(layout, name, mode):
             elements = np.prod([int(d) for d in dims.split(",") if d])
             assert op == "all-reduce" and elements == 1, (form, shape, op)
     fused, drop_in = temp["apply_gradients"], temp["update"]
-    if fused > 0.1 * per_device or drop_in > 1.01 * per_device:
-        # A regression of the one-conditional update path, measured and
+    over = fused > 0.1 * per_device or drop_in > 1.01 * per_device
+    if over and cpu_branch_folds():
+        # Where the running branch folds (jaxlib below 0.11), measured and
         # documented (docs/performance.md, "On GPUs and TPUs"): with params
-        # sharded under `jit` XLA:CPU now needs temporaries for the fused
-        # step (0.75x the per-device params for FSDP Adam; 0.00 at eb4e737).
+        # sharded under `jit` XLA:CPU needs temporaries for the fused step
+        # (0.75x the per-device params for FSDP Adam; 0.00 at eb4e737).
         pytest.xfail(
             f"sharded under jit: fused {fused / per_device:.2f}x, drop-in "
             f"{drop_in / per_device:.2f}x the per-device params"
         )
     # The zero updates, and a few hundred bytes of tables (under 1%).
     assert drop_in <= 1.01 * per_device, (drop_in / per_device, fused / per_device)
+    assert fused <= 0.1 * per_device, fused / per_device
 
 
 @CPU_ONLY
@@ -210,7 +217,7 @@ def test_sharded_step_without_a_mesh_set_keeps_buffers_in_place(name):
         if _large_copies(compiled.as_text()) and name == "lion":
             pytest.xfail(f"sharded under jit: Lion's {form} step copies `mu`")
         assert _large_copies(compiled.as_text()) == [], form
-    if temp["apply_gradients"] > 0.1 or temp["update"] > 1.01:
+    if (temp["apply_gradients"] > 0.1 or temp["update"] > 1.01) and cpu_branch_folds():
         pytest.xfail(f"sharded under jit (docs/performance.md): {temp}")
     assert temp["apply_gradients"] <= 0.1 and temp["update"] <= 1.01, temp
 
