@@ -602,11 +602,18 @@ def main() -> None:
     parser.add_argument(
         "--from-json", type=Path, help="rewrite the tables of a saved run"
     )
+    parser.add_argument(
+        "--name",
+        default="train_step",
+        help="the results' file names in benchmarks/results (NAME.md, .json, "
+        ".png): another JAX's run beside the default one",
+    )
     args = parser.parse_args()
+    name = args.name
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
-        text = write_tables(saved["cases"], RESULTS / "train_step.md", saved["machine"])
-        plot(saved["cases"], RESULTS / "train_step.png", saved["machine"])
+        text = write_tables(saved["cases"], RESULTS / f"{name}.md", saved["machine"])
+        plot(saved["cases"], RESULTS / f"{name}.png", saved["machine"])
         print(text)
         return
     if args.case:
@@ -631,10 +638,10 @@ def main() -> None:
         return
     RESULTS.mkdir(exist_ok=True)
     saved = {"machine": machine(), "cases": results}
-    (RESULTS / "train_step.json").write_text(json.dumps(saved, indent=1))
+    (RESULTS / f"{name}.json").write_text(json.dumps(saved, indent=1))
     # The commit as measured: the files written here would make it "-dirty".
-    print(write_tables(results, RESULTS / "train_step.md", saved["machine"]))
-    plot(results, RESULTS / "train_step.png", saved["machine"])
+    print(write_tables(results, RESULTS / f"{name}.md", saved["machine"]))
+    plot(results, RESULTS / f"{name}.png", saved["machine"])
 
 
 if __name__ == "__main__":

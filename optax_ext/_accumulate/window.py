@@ -63,7 +63,6 @@ def folded(
     mean: bool,
     weights: Weights | None,
     devices: SingleDeviceState,
-    may_be_first: bool = True,
 ) -> PyTree:
     """`acc` with `grads` folded in: the running mean (or sum), weighted
     with `weights`. The gradient gets the state's device axis (if any)."""
@@ -71,7 +70,7 @@ def folded(
     def one(g: jax.Array, a: jax.Array) -> jax.Array:
         g = devices.add_axis(g)
         if weights is None:
-            return fold(g, a, mini_step, mean, may_be_first=may_be_first)
+            return fold(g, a, mini_step, mean)
         return fold_weighted(g, a, *weights.folding)
 
     return jax.tree.map(one, grads, acc)
@@ -94,7 +93,6 @@ def run_window(
     devices: SingleDeviceState,
     as_gradients: Callable[[PyTree], PyTree],
     mean: bool,
-    may_emit_first: bool,
     fused: bool,
     emit: bool | None = None,
 ) -> tuple[PyTree, PyTree, PyTree, jax.Array, jax.Array]:
@@ -115,10 +113,7 @@ def run_window(
     inner state.
 
     Where `folds_in_branch()`, the conditional reads the gradients and the
-    accumulator as they came in and the running branch folds them itself;
-    `may_emit_first` then says whether a window may end on its first
-    mini-step (a window of 1): where it cannot, that fold has no select of
-    a first value.
+    accumulator as they came in and the running branch folds them itself.
 
     With `emit` (a Python bool: the host knows which step ends a window)
     there is no conditional: `False` only folds, `True` runs the inner
@@ -140,13 +135,7 @@ def run_window(
 
         def window_acc(grads, acc, mini_step, weights):
             acc = folded(
-                grads,
-                acc,
-                mini_step,
-                mean=mean,
-                weights=weights,
-                devices=devices,
-                may_be_first=may_emit_first,
+                grads, acc, mini_step, mean=mean, weights=weights, devices=devices
             )
             return acc, weights
 
