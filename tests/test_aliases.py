@@ -40,6 +40,7 @@ import optax
 import pytest
 
 import optax_ext
+from optax_ext._accumulate import window
 
 nan, inf = float("nan"), float("inf")
 
@@ -229,9 +230,26 @@ def test_multisteps_emits_inner_on_window_mean(name, dtype, variant):
 
 
 @pytest.mark.parametrize(
+    "window_form",
+    ["fold first" if window.folds_in_branch() else "fold in branch"],
+    indirect=True,
+)
+@by_dtype(*FLOATS)
+@by_name
+def test_multisteps_in_the_other_form_emits_inner_on_window_mean(
+    name, dtype, window_form
+):
+    """The same in the form of the window's step this environment does not
+    get by itself (`tests/conftest.py::window_form`): the fold before the
+    conditional where XLA:CPU before jaxlib 0.11 compiles, in the branch
+    elsewhere."""
+    _check_multisteps(name, "plain", FLOATS[dtype])
+
+
+@pytest.mark.parametrize(
     "name", [n for n in ("sgd", "adam", "lion", "muon") if n in NAMES]
 )
-def test_multisteps_sum_of_window(name):
+def test_multisteps_sum_of_window(name, window_form):
     _check_multisteps(name, "plain", jnp.float32, use_grad_mean=False)
 
 
