@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from importlib.metadata import version
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -130,21 +130,17 @@ def run_window(
         folded(grads, acc, mini_step, mean=mean, weights=weights, devices=devices),
         acc,
     )
-    if folds_in_branch():
-        operands: tuple = (grads, acc, mini_step, weights)
+    in_branch = folds_in_branch()
+    operands = (grads, acc, mini_step, weights) if in_branch else (new, weights)
 
-        def window_acc(grads, acc, mini_step, weights):
+    def window_grads(operands):
+        if in_branch:
+            grads, acc, mini_step, weights = operands
             acc = folded(
                 grads, acc, mini_step, mean=mean, weights=weights, devices=devices
             )
-            return acc, weights
-
-    else:
-        operands = (new, weights)
-        window_acc = lambda acc, weights: (acc, weights)  # noqa: E731
-
-    def window_grads(operands):
-        acc, weights = window_acc(*operands)
+        else:
+            acc, weights = operands
         if weights is None:
             mean_, keep = devices.window_mean(acc), None
         else:
@@ -191,6 +187,7 @@ def run_window(
             carry=arrays,
             counter=(jnp.zeros((), mini_next.dtype), mini_next),
         )
+        next_mini = cast(jax.Array, next_mini)  # a counter in, a count out
     elif emit:
         if fused:
             result, state_out = inner_apply(*operands, state_in, arrays)
