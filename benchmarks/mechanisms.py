@@ -91,8 +91,9 @@ VARIANTS = {
         ((branch, "_state_after_updates", lambda leaves, n, to_order: leaves),),
     ),
     "branch folds": (
-        "the fold before the conditional: the running branch folds the "
-        "gradients itself (the form of XLA:CPU before jaxlib 0.11)",
+        "the fold before the conditional (XLA:CPU, XLA:TPU): the running "
+        "branch folds the gradients itself, as on XLA:GPU and XLA:CPU "
+        "before jaxlib 0.11",
         ((window, "folds_in_branch", lambda: True),),
     ),
 }

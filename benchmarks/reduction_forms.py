@@ -13,11 +13,14 @@ Lion on 8 leaves of (1000, 500), three of the forms.
 
 - `bare`: the inner chain's own step;
 - `bare in cond`: that step inside a `lax.cond` (what the conditional costs);
-- `optax_ext fused`: `apply_gradients`, the form jax 0.11 gets: the
-  running mean folded into the accumulator before the conditional, which
-  reads it as a buffer, the reset ordered after it;
-- `optax_ext, branch folds`: `apply_gradients` in the form XLA:CPU gets
-  before jaxlib 0.11, the mean computed in the running branch;
+- `optax_ext fused`: `apply_gradients` as each backend gets it with jax
+  0.11: on XLA:CPU and XLA:TPU the running mean folded into the
+  accumulator before the conditional, which reads it as a buffer, the
+  reset ordered after it; on XLA:GPU the mean computed in the running
+  branch;
+- `optax_ext, branch folds`: `apply_gradients` with the mean computed in
+  the running branch on every backend (the form of XLA:CPU before jaxlib
+  0.11);
 - `mean folded before`: the fold before the conditional, its reset not
   ordered after it;
 - `accumulator through`: the accumulator an operand and a result of the

@@ -184,6 +184,9 @@ class MultiSteps(Configured):
             self._weighted,
         )
         self._devices = device_state(axis_name)
+        # A window of one mini-step is possible unless k is a constant > 1.
+        k = every_k_schedule
+        self._may_emit_first = callable(k) or isinstance(k, bool) or k == 1
         # `check_state_structure`'s answers by the avals of its template.
         self._inner_structures: dict[tuple, Any] = {}
 
@@ -346,6 +349,7 @@ class MultiSteps(Configured):
                 as_gradient_dtype, mean, grad_dtypes
             ),
             mean=self._use_grad_mean,
+            may_emit_first=self._may_emit_first or emit is True,
             fused=fused,
             emit=emit,
         )

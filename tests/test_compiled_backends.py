@@ -35,7 +35,15 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from _compiled import HERE, compile_step, mesh, report, unavailable
+from _compiled import (
+    HERE,
+    branch_names,
+    compile_step,
+    mesh,
+    report,
+    unavailable,
+)
+from _helpers import hlo_computations, reachable
 from jax.sharding import NamedSharding, PartitionSpec
 
 import optax_ext
@@ -222,11 +230,13 @@ def test_mini_step_runs_no_inner_optimizer(backend, layout, inner, dtype, form):
         assert got["branch_copies"] == [], got["branch_copies"]
 
 
-def folds_in_branch(backend):
-    """Whether the running branch folds the gradients itself (XLA:CPU
-    before jaxlib 0.11, `optax_ext/_accumulate/window.folds_in_branch`)
-    rather than reading the accumulator folded before the conditional."""
-    return backend == "cpu" and _jaxlib() < (0, 11, 0)
+def folds_in_branch(backend, form="fused"):
+    """Whether the running branch folds the gradients itself rather than
+    reading the accumulator folded before the conditional
+    (`optax_ext/_accumulate/window.py`): on XLA:CPU before jaxlib 0.11, and
+    on XLA:GPU in the steps with a conditional (fused, drop-in)."""
+    old_cpu = backend == "cpu" and _jaxlib() < (0, 11, 0)
+    return old_cpu or (backend == "gpu" and form in ("fused", "drop-in"))
 
 
 def temp_bound(backend, inner, dtype, form, bare_temp, params_bytes):
@@ -234,19 +244,20 @@ def temp_bound(backend, inner, dtype, form, bare_temp, params_bytes):
     slack = 0.02
     kind = INNER[inner][2]
     narrow = jnp.dtype(dtype).itemsize < 4
-    if kind == "reduces" and folds_in_branch(backend):
+    if kind == "reduces" and folds_in_branch(backend, form):
         # The window's mean, computed in the branch and read twice (the
-        # global norm, then the update), is written out once: 1.0x.
-        slack += 1.0
+        # global norm, then the update), may be written out once: XLA:CPU
+        # does (1.0x); XLA:GPU needs 0.094x for the GPT-2-like tree.
+        slack += 1.0 if backend == "cpu" else 0.1
     elif kind == "reduces" and backend == "tpu":
         # The issue's aim: within 1.0x of the bare step. XLA:TPU needs
         # +0.50x (fused), +0.78x (drop-in, above its zero updates), +0.92x
         # (emit=True) with the GPT-2-like tree (benchmarks/results/deviceless.md).
         slack += 1.0
-    elif kind == "reduces" and backend == "gpu" and form == "emit=True":
-        # XLA:GPU writes out one large leaf's mean (0.25x of 4 leaves).
+    elif kind == "reduces" and backend == "gpu":
+        # emit=True: XLA:GPU writes out one large leaf's mean (0.25x of 4).
         slack += 0.25
-    if kind == "nested" and folds_in_branch(backend):
+    if kind == "nested" and folds_in_branch(backend, form):
         # The inner MultiSteps' conditional takes the window's mean as an
         # operand: a buffer, in the accumulator's float32.
         slack += 4 / jnp.dtype(dtype).itemsize
@@ -322,11 +333,39 @@ def test_host_chosen_steps_hold_no_conditional(backend, layout, inner, dtype, em
         return
     # A nested MultiSteps runs the optimizer in its own conditional.
     assert got["markers_inside" if nested else "markers_outside"] >= 1, got
-    if not (nested and folds_in_branch(backend)):
+    if not (nested and folds_in_branch(backend, emit)):
         # Where the branch folds, XLA:CPU copies the inner accumulator.
         assert len(got["copies"]) <= len(bare["copies"]), got["copies"]
     bound = temp_bound(backend, inner, dtype, emit, bare["temp"], got["params"])
     assert got["temp"] <= bound, (got["temp"] / got["params"], bare["temp"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loops_over_the_accumulator_per_step(backend):
+    """The loops that write a params-leaf-sized array outside the
+    conditional, Adam-W's fused step on 4 large leaves: every step runs
+    them. Where the branch folds (XLA:GPU, XLA:CPU before jaxlib 0.11),
+    one per leaf: the fold and the reset in one loop after the
+    conditional, the least a mini-step can do. Elsewhere two: the fold
+    before the conditional, the reset after it (a second read and write
+    of the accumulator, for a mean the emitting branch reads as a
+    buffer)."""
+    _skip_unless(backend)
+    params = LAYOUTS["4 large"](jnp.float32)
+    opt = optax_ext.MultiSteps(optax.adamw(1e-3), K)
+    compiled = compile_step(
+        backend, _step(opt, "fused"), params, opt.init(params), params
+    )
+    comps = hlo_computations(compiled.as_text())
+    inside = branch_names(comps)
+    loops = [
+        line
+        for name in reachable(comps, "ENTRY", avoid=inside)
+        for line in comps[name]
+        if " fusion(" in line and re.search(r"= f32\[1024,1024\]", line)
+    ]
+    per_leaf = 1 if folds_in_branch(backend) else 2
+    assert len(loops) == per_leaf * len(params), loops
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -335,7 +374,7 @@ def test_MultiSteps_update_with_donated_gradients(backend):
     donated, no params (`benchmarks/run.py`): the zero updates of a
     mini-step and the window's updates go into the gradients' buffers, so
     Adam's step needs no temporary memory. Where the branch folds
-    (XLA:CPU before jaxlib 0.11) the conditional reads the gradients and
+    (XLA:CPU before jaxlib 0.11, XLA:GPU) the conditional reads the gradients and
     its zero updates need a buffer of their own: 1.0x."""
     _skip_unless(backend)
     params = LAYOUTS["4 large"](jnp.float32)
@@ -344,7 +383,7 @@ def test_MultiSteps_update_with_donated_gradients(backend):
         backend, lambda g, s: opt.update(g, s, params), params, opt.init(params)
     )
     ratio = compiled.memory_analysis().temp_size_in_bytes / _bytes(params)
-    assert ratio <= (1.02 if folds_in_branch(backend) else 0.02), ratio
+    assert ratio <= (1.02 if folds_in_branch(backend, "drop-in") else 0.02), ratio
 
 
 def _plain_cond_step(tx):

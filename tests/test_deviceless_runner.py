@@ -51,7 +51,7 @@ def test_gpu_and_tpu_compile_checks_pass():
         "--dist",
         "loadgroup",
         "-k",
-        "gpu or tpu or lion or clip or MultiSteps",
+        "gpu or tpu or lion or clip or MultiSteps or accumulator",
     ]
     summary = child_pytest(
         python,

@@ -156,11 +156,14 @@ def fold(
     acc: jax.Array,
     index: jax.Array,
     mean: bool,
+    *,
+    may_be_first: bool = True,
 ) -> jax.Array:
     """`acc` with `g` folded in as the `index`-th value (counted from 0): the
     running mean (Welford, `acc + (g - acc) / (index + 1)`) or the sum. The
     first value is *selected*, so even a buffer holding a NaN (a state saved
-    by optax.MultiSteps, say) starts clean. float16 and bfloat16
+    by optax.MultiSteps, say) starts clean; with `may_be_first=False` the
+    caller knows `index > 0` and there is no select. float16 and bfloat16
     accumulators are updated in float32 and rounded once (`work_dtype`)."""
     # lax, not jnp: no per-leaf `jit` of jnp's functions to trace and inline.
     work = work_dtype(acc.dtype)
@@ -171,7 +174,8 @@ def fold(
         running = lax.add(old, lax.div(lax.sub(g, old), count))
     else:
         running = lax.add(old, g)
-    running = lax.select(index == 0, g, running)
+    if may_be_first:
+        running = lax.select(index == 0, g, running)
     return lax.convert_element_type(running, acc.dtype)
 
 

@@ -63,6 +63,7 @@ def folded(
     mean: bool,
     weights: Weights | None,
     devices: SingleDeviceState,
+    may_be_first: bool = True,
 ) -> PyTree:
     """`acc` with `grads` folded in: the running mean (or sum), weighted
     with `weights`. The gradient gets the state's device axis (if any)."""
@@ -70,7 +71,7 @@ def folded(
     def one(g: jax.Array, a: jax.Array) -> jax.Array:
         g = devices.add_axis(g)
         if weights is None:
-            return fold(g, a, mini_step, mean)
+            return fold(g, a, mini_step, mean, may_be_first=may_be_first)
         return fold_weighted(g, a, *weights.folding)
 
     return jax.tree.map(one, grads, acc)
@@ -93,6 +94,7 @@ def run_window(
     devices: SingleDeviceState,
     as_gradients: Callable[[PyTree], PyTree],
     mean: bool,
+    may_emit_first: bool,
     fused: bool,
     emit: bool | None = None,
 ) -> tuple[PyTree, PyTree, PyTree, jax.Array, jax.Array]:
@@ -125,19 +127,49 @@ def run_window(
     pred = window_end
     if weights is not None and not decided_inside:
         pred = jnp.logical_and(window_end, weights.total > 0)
-    new = jax.tree.map(
-        lambda n, a: lax.select(should_skip, a, n),
-        folded(grads, acc, mini_step, mean=mean, weights=weights, devices=devices),
-        acc,
-    )
+
+    def fold_kept(grads, acc, mini_step):
+        # This step's fold, or the accumulator as it came where skipped.
+        new = folded(grads, acc, mini_step, mean=mean, weights=weights, devices=devices)
+        return jax.tree.map(lambda n, a: lax.select(should_skip, a, n), new, acc)
+
+    new = fold_kept(grads, acc, mini_step)
     in_branch = folds_in_branch()
-    operands = (grads, acc, mini_step, weights) if in_branch else (new, weights)
+    per_platform = emit is None and not in_branch
+    if in_branch:
+        operands: tuple = (grads, acc, mini_step, weights)
+    elif per_platform:
+        operands = (grads, acc, mini_step, new, weights)
+    else:
+        operands = (new, weights)
+
+    def fold_in_branch(grads, acc, mini_step, new=None):
+        # Where a window cannot end on its first mini-step, no select of a
+        # first value: with it XLA:GPU wrote out a mean read twice.
+        return folded(
+            grads,
+            acc,
+            mini_step,
+            mean=mean,
+            weights=weights,
+            devices=devices,
+            may_be_first=may_emit_first,
+        )
 
     def window_grads(operands):
         if in_branch:
             grads, acc, mini_step, weights = operands
-            acc = folded(
-                grads, acc, mini_step, mean=mean, weights=weights, devices=devices
+            acc = fold_in_branch(grads, acc, mini_step)
+        elif per_platform:
+            grads, acc, mini_step, new, weights = operands
+            acc = lax.platform_dependent(
+                grads,
+                acc,
+                mini_step,
+                new,
+                cuda=fold_in_branch,
+                rocm=fold_in_branch,
+                default=lambda g, a, m, n: n,
             )
         else:
             acc, weights = operands
@@ -208,5 +240,20 @@ def run_window(
     if fused:
         result = merge_trainable(params, result)
     inner_state, emitted = state_out if decided_inside else (state_out, pred)
-    cleared = jax.tree.map(lambda n: lax.select(reset, lax.full_like(n, 0), n), new)
+
+    def clear(n):
+        return jax.tree.map(lambda n: lax.select(reset, lax.full_like(n, 0), n), n)
+
+    if per_platform:
+        cleared = lax.platform_dependent(
+            grads,
+            acc,
+            mini_step,
+            new,
+            cuda=lambda g, a, m, n: clear(fold_kept(g, a, m)),
+            rocm=lambda g, a, m, n: clear(fold_kept(g, a, m)),
+            default=lambda g, a, m, n: clear(n),
+        )
+    else:
+        cleared = clear(new)
     return result, inner_state, cleared, next_mini, emitted
