@@ -63,7 +63,8 @@ def deviceless(session: nox.Session) -> None:
     (`tests/data/deviceless-requirements.txt`)."""
     session.install("-r", "tests/data/deviceless-requirements.txt", "-e", ".")
     session.run(
-        "pytest", "-n", "2", "--dist", "loadgroup", "-k", "gpu or tpu or lion or clip or MultiSteps or accumulator",
+        "pytest", "-n", "2", "--dist", "loadgroup",
+        "-k", "gpu or tpu or lion or clip or MultiSteps or accumulator",
         "tests/test_compiled_backends.py", *session.posargs,
         env={"JAX_PLATFORMS": "cpu", "OPTAX_EXT_DEVICELESS": "here"},
     )  # fmt: skip
