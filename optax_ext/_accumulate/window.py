@@ -244,14 +244,18 @@ def run_window(
     def clear(n):
         return jax.tree.map(lambda n: lax.select(reset, lax.full_like(n, 0), n), n)
 
+    def fold_and_clear(grads, acc, mini_step, new):
+        # Where the branch folded: one loop, the fold and the reset.
+        return clear(fold_kept(grads, acc, mini_step))
+
     if per_platform:
         cleared = lax.platform_dependent(
             grads,
             acc,
             mini_step,
             new,
-            cuda=lambda g, a, m, n: clear(fold_kept(g, a, m)),
-            rocm=lambda g, a, m, n: clear(fold_kept(g, a, m)),
+            cuda=fold_and_clear,
+            rocm=fold_and_clear,
             default=lambda g, a, m, n: clear(n),
         )
     else:
