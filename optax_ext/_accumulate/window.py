@@ -134,16 +134,14 @@ def run_window(
         return jax.tree.map(lambda n, a: lax.select(should_skip, a, n), new, acc)
 
     new = fold_kept(grads, acc, mini_step)
-    in_branch = folds_in_branch()
-    per_platform = emit is None and not in_branch
-    if in_branch:
-        operands: tuple = (grads, acc, mini_step, weights)
-    elif per_platform:
-        operands = (grads, acc, mini_step, new, weights)
-    else:
-        operands = (new, weights)
+    # Where the mean is read: the fold before the conditional, or (the
+    # whole program where `folds_in_branch()`, and a GPU's conditional) a
+    # fold of the running branch's own.
+    everywhere = folds_in_branch()
+    branch_on_gpu = everywhere or emit is None
+    operands = (grads, acc, mini_step, new, weights)
 
-    def fold_in_branch(grads, acc, mini_step, new=None):
+    def fold_in_branch(grads, acc, mini_step, new):
         # Where a window cannot end on its first mini-step, no select of a
         # first value: with it XLA:GPU wrote out a mean read twice.
         return folded(
@@ -156,23 +154,23 @@ def run_window(
             may_be_first=may_emit_first,
         )
 
+    def read_fold(grads, acc, mini_step, new):
+        return new
+
+    def per_platform(on_gpu, elsewhere, *args):
+        if on_gpu is elsewhere:
+            return elsewhere(*args)
+        return lax.platform_dependent(
+            *args, cuda=on_gpu, rocm=on_gpu, default=elsewhere
+        )
+
     def window_grads(operands):
-        if in_branch:
-            grads, acc, mini_step, weights = operands
-            acc = fold_in_branch(grads, acc, mini_step)
-        elif per_platform:
-            grads, acc, mini_step, new, weights = operands
-            acc = lax.platform_dependent(
-                grads,
-                acc,
-                mini_step,
-                new,
-                cuda=fold_in_branch,
-                rocm=fold_in_branch,
-                default=lambda g, a, m, n: n,
-            )
-        else:
-            acc, weights = operands
+        *folding, weights = operands
+        acc = per_platform(
+            fold_in_branch if branch_on_gpu else read_fold,
+            fold_in_branch if everywhere else read_fold,
+            *folding,
+        )
         if weights is None:
             mean_, keep = devices.window_mean(acc), None
         else:
@@ -248,16 +246,15 @@ def run_window(
         # Where the branch folded: one loop, the fold and the reset.
         return clear(fold_kept(grads, acc, mini_step))
 
-    if per_platform:
-        cleared = lax.platform_dependent(
-            grads,
-            acc,
-            mini_step,
-            new,
-            cuda=fold_and_clear,
-            rocm=fold_and_clear,
-            default=lambda g, a, m, n: clear(n),
-        )
-    else:
-        cleared = clear(new)
+    def clear_fold(grads, acc, mini_step, new):
+        return clear(new)
+
+    cleared = per_platform(
+        fold_and_clear if branch_on_gpu else clear_fold,
+        fold_and_clear if everywhere else clear_fold,
+        grads,
+        acc,
+        mini_step,
+        new,
+    )
     return result, inner_state, cleared, next_mini, emitted
