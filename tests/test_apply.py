@@ -14,6 +14,7 @@ import pytest
 from _helpers import across_programs_exact, assert_close_across_programs, xla_cpu_only
 
 import optax_ext
+from optax_ext._accumulate import window
 
 COMPILED = xla_cpu_only("memory analysis of the compiled step")
 
@@ -264,14 +265,17 @@ def _temp_over_params(fn, opt, params):
 
 @COMPILED
 @pytest.mark.parametrize("leaves,shape", [(8, (256, 256)), (300, (16, 16))])
-@pytest.mark.parametrize("inner", ["adam", "lion", "sgd-nesterov"])
+@pytest.mark.parametrize("inner", ["adam", "lion", "sgd-nesterov", "adafactor"])
 def test_fused_step_has_no_params_sized_temporary(leaves, shape, inner):
     """The fused, donated train step needs no params-sized temporary more
     than the bare optimizer's own train step (the accumulator, the moments
     and the params stay in their donated buffers; the updates are never
     materialised), where the drop-in `update` + `apply_updates` needs
-    exactly one more: its tree of zero updates. (XLA:CPU; XLA:GPU and
-    XLA:TPU: tests/test_compiled_backends.py.)"""
+    exactly one more: its tree of zero updates. Where the running branch
+    folds (XLA:CPU before jaxlib 0.11) an inner optimizer that reads the
+    mean in several loops writes it out: once for SGD with Nesterov
+    momentum, twice for Adafactor. (XLA:CPU; XLA:GPU and XLA:TPU:
+    tests/test_compiled_backends.py.)"""
     params = {f"w{i:03d}": jnp.zeros(shape, jnp.float32) for i in range(leaves)}
     opt = optax_ext.MultiSteps(INNER[inner](), 4)
 
@@ -292,11 +296,15 @@ def test_fused_step_has_no_params_sized_temporary(leaves, shape, inner):
     bare_temp = _temp_over_params(bare, tx, params)
     # (with many small leaves a few scalars and buffer tables per leaf remain:
     # 12% of these 1 KiB leaves). SGD with Nesterov momentum reads the
-    # gradient twice (into the momentum and into the update): XLA:CPU writes
-    # the window's mean out once, where the bare step reads its input twice.
-    reads_twice = 1.0 if inner == "sgd-nesterov" else 0.0
+    # gradient twice (into the momentum and into the update), Adafactor in
+    # its factored moments too: computed in the branch, the window's mean is
+    # written out, where the bare step reads its input.
+    reads_twice = 0.0
+    if window.folds_in_branch():
+        reads_twice = {"sgd-nesterov": 1.0, "adafactor": 2.0}.get(inner, 0.0)
     assert fused_temp < bare_temp + reads_twice + 0.15, (fused_temp, bare_temp)
-    assert dropin_temp - fused_temp > 0.98 - reads_twice, (dropin_temp, fused_temp)
+    if inner != "adafactor":  # its own temporaries may hold the zero updates
+        assert dropin_temp - fused_temp > 0.98 - reads_twice, (dropin_temp, fused_temp)
 
 
 @COMPILED

@@ -176,9 +176,14 @@ def test_sharded_step_keeps_buffers_in_place(layout, name, mode):
         compiled, _ = _compile(OPTIMIZERS[name][0](), form, mesh, params)
         temp[form] = compiled.memory_analysis().temp_size_in_bytes
         hlo = compiled.as_text()
-        if _large_copies(hlo) and name == "lion":
-            # Documented with the memory below: XLA:CPU's order of Lion's
-            # `mu` after its updates is not built for sharded params.
+        if (
+            _large_copies(hlo)
+            and name == "lion"
+            and (mode == "Explicit" or cpu_branch_folds())
+        ):
+            # Documented (docs/design.md, "Params sharded under `jit`"): XLA:CPU's order
+            # of Lion's `mu` after its updates is not built for a leaf
+            # sharded in its type; before jaxlib 0.11 fusion undoes it.
             pytest.xfail(f"sharded under jit: Lion's {form} step copies `mu`")
         assert _large_copies(hlo) == [], form
         mini, emitting = collectives_by_step(hlo)
@@ -214,7 +219,7 @@ def test_sharded_step_without_a_mesh_set_keeps_buffers_in_place(name):
     for form in FORMS:
         compiled, _ = _compile(OPTIMIZERS[name][0](), form, None, params)
         temp[form] = compiled.memory_analysis().temp_size_in_bytes / per_device
-        if _large_copies(compiled.as_text()) and name == "lion":
+        if _large_copies(compiled.as_text()) and name == "lion" and cpu_branch_folds():
             pytest.xfail(f"sharded under jit: Lion's {form} step copies `mu`")
         assert _large_copies(compiled.as_text()) == [], form
     if (temp["apply_gradients"] > 0.1 or temp["update"] > 1.01) and cpu_branch_folds():
