@@ -41,6 +41,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import optax_ext  # noqa: E402
+from run import code_version  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 MODES = ("Auto", "Explicit")
@@ -161,7 +162,8 @@ def main(name: str = "sharded") -> None:
     lines = [
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, "
         f"{jax.devices()[0].platform} ({jax.device_count()} simulated devices), "
-        f"jax {jax.__version__}, optax {optax.__version__}. Compiled memory "
+        f"jax {jax.__version__}, optax {optax.__version__}, optax_ext at "
+        f"{code_version()}. Compiled memory "
         "(`memory_analysis()`), XLA:CPU; no timing.",
         "",
         "## MultiSteps train step with FSDP params",

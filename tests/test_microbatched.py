@@ -435,10 +435,11 @@ def test_batch_at_other_positions_and_several_arguments():
     [("float32", jnp.float32), ("bfloat16", jnp.float32), ("bfloat16", None)],
 )
 def test_adam_step_equals_multi_steps_on_the_same_microbatches(
-    dtype, accumulator_dtype
+    dtype, accumulator_dtype, window_form
 ):
     """`microbatched(grad, k)` then adam gives the update `MultiSteps(adam, k)`
-    emits after the k micro-batches `batch[j::k]`, bit for bit (same running
+    emits after the k micro-batches `batch[j::k]`, in each form of its
+    window (`window_form`), bit for bit (same running
     mean, same accumulator: float32, or bfloat16 updated in float32 and
     rounded once per micro-batch; bfloat16 on XLA:CPU, see below); and both
     are adam on the whole batch's gradient (float64, rounded to float32

@@ -3,7 +3,10 @@
 accumulates in (`accumulator_dtype_for`), the running mean or sum (`fold`),
 the weighted running mean (`weighted_fold_terms`, `fold_weighted`), and the
 float32 working dtype of narrow floats (`work_dtype`, `widen`). On the same
-micro-batches the two forms give the same bits because they call these.
+micro-batches the two forms compute the same arithmetic because they call
+these: the same bits for the running mean (tested); a weighted fold's
+division by the running weight XLA may compile as a multiply by its
+reciprocal in one program and not in the other (1 ulp).
 """
 
 from __future__ import annotations
