@@ -198,7 +198,7 @@ def test_sharded_step_keeps_buffers_in_place(layout, name, mode):
         # Where the running branch folds (jaxlib below 0.11), measured and
         # documented (docs/performance.md, "On GPUs and TPUs"): with params
         # sharded under `jit` XLA:CPU needs temporaries for the fused step
-        # (0.75x the per-device params for FSDP Adam; 0.00 at eb4e737).
+        # (0.75x to 1.00x the per-device params for Adam; 0.00 at eb4e737).
         pytest.xfail(
             f"sharded under jit: fused {fused / per_device:.2f}x, drop-in "
             f"{drop_in / per_device:.2f}x the per-device params"
