@@ -264,8 +264,16 @@ def _temp_over_params(fn, opt, params):
 
 
 @COMPILED
-@pytest.mark.parametrize("leaves,shape", [(8, (256, 256)), (300, (16, 16))])
-@pytest.mark.parametrize("inner", ["adam", "lion", "sgd-nesterov", "adafactor"])
+@pytest.mark.parametrize(
+    "leaves,shape,inner",
+    [
+        (leaves, shape, inner)
+        for leaves, shape in [(8, (256, 256)), (300, (16, 16))]
+        for inner in ["adam", "lion", "sgd-nesterov", "adafactor"]
+        # Adafactor factors leaves of 128 or more: not the small ones.
+        if not (inner == "adafactor" and leaves == 300)
+    ],
+)
 def test_fused_step_has_no_params_sized_temporary(leaves, shape, inner):
     """The fused, donated train step needs no params-sized temporary more
     than the bare optimizer's own train step (the accumulator, the moments
