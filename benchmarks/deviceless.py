@@ -42,10 +42,7 @@ def main() -> None:
         "over the params' bytes, ours / the bare inner optimizer's train "
         "step; `ok`: within `test_compiled_backends.temp_bound`.",
         "",
-        "| layout | inner | dtype | form | "
-        + " | ".join(b.upper() for b in backends)
-        + " |",
-        "|---|---|---|---|" + "---|" * len(backends),
+        *_table_head(backends),
     ]
     for case in t.CASES:
         layout, inner, dtype = case.values
@@ -62,10 +59,7 @@ def main() -> None:
         "own), copies, temporary memory as above; `ok`: `emit=False` within "
         "2% of the params, `emit=True` within `temp_bound`.",
         "",
-        "| layout | inner | dtype | form | "
-        + " | ".join(b.upper() for b in backends)
-        + " |",
-        "|---|---|---|---|" + "---|" * len(backends),
+        *_table_head(backends),
     ]
     for case in t.CASES:
         layout, inner, dtype = case.values
@@ -79,6 +73,14 @@ def main() -> None:
     lines += _fsdp_section([b for b in backends if b != "cpu"])
     out = ROOT / "benchmarks" / "results" / "deviceless.md"
     out.write_text("\n".join(lines) + "\n")
+
+
+def _table_head(backends: list[str]) -> list[str]:
+    names = " | ".join(b.upper() for b in backends)
+    return [
+        f"| layout | inner | dtype | form | {names} |",
+        "|" + "---|" * (4 + len(backends)),
+    ]
 
 
 def _row(backends: list[str], layout: str, inner: str, dtype: str, form: str) -> str:

@@ -39,9 +39,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from run import code_version  # noqa: E402
 
 import optax_ext  # noqa: E402
-from run import code_version  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 MODES = ("Auto", "Explicit")

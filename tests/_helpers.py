@@ -227,21 +227,18 @@ def assert_close_across_programs(got, want, *, ops: int, magnitude=None, err_msg
         )
 
 
-def cpu_branch_folds() -> bool:
-    """Whether XLA:CPU steps of `MultiSteps` fold the gradients in the
-    conditional's running branch (jaxlib below 0.11) rather than before it
-    (`optax_ext/_accumulate/window.folds_in_branch`)."""
-    from importlib.metadata import version
-
-    found = re.match(r"(\d+)\.(\d+)", version("jaxlib"))
-    return tuple(int(x) for x in found.groups()) < (0, 11)
-
-
 def jaxlib_version() -> tuple[int, ...]:
     from importlib.metadata import version
 
     found = re.match(r"(\d+)\.(\d+)\.(\d+)", version("jaxlib"))
     return tuple(int(x) for x in found.groups())
+
+
+def cpu_branch_folds() -> bool:
+    """Whether XLA:CPU steps of `MultiSteps` fold the gradients in the
+    conditional's running branch (jaxlib below 0.11) rather than before it
+    (`optax_ext/_accumulate/window.folds_in_branch`)."""
+    return jaxlib_version() < (0, 11)
 
 
 # From this jaxlib on, XLA:CPU keeps the fused step's buffers in place.

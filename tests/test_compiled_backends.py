@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import re
-from importlib.metadata import version
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +42,12 @@ from _compiled import (
     report,
     unavailable,
 )
-from _helpers import hlo_computations, reachable, skip_cpu_memory_before_0_10_2
+from _helpers import (
+    hlo_computations,
+    jaxlib_version,
+    reachable,
+    skip_cpu_memory_before_0_10_2,
+)
 from jax.sharding import NamedSharding, PartitionSpec
 
 import optax_ext
@@ -136,12 +140,6 @@ CASES = [
 ]
 
 
-def _jaxlib() -> tuple[int, ...]:
-    return tuple(
-        int(x) for x in re.match(r"(\d+)\.(\d+)\.(\d+)", version("jaxlib")).groups()
-    )
-
-
 def _skip_unless(backend):
     why = unavailable(backend)
     if why is None:
@@ -206,7 +204,7 @@ def test_mini_step_runs_no_inner_optimizer(backend, layout, inner, dtype, form):
     emitting branch, as its bare step does not: there only the mini-step
     is checked.)"""
     _skip_unless(backend)
-    if backend == "cpu" and dtype == "bfloat16" and _jaxlib() < (0, 9, 1):
+    if backend == "cpu" and dtype == "bfloat16" and jaxlib_version() < (0, 9, 1):
         # XLA:CPU before jaxlib 0.9.1 computes bfloat16 through float32 and
         # copies every state leaf (docs/design.md, "When JAX or XLA changes").
         pytest.skip("jaxlib < 0.9.1 copies bfloat16 state on XLA:CPU")
@@ -220,7 +218,7 @@ def test_mini_step_runs_no_inner_optimizer(backend, layout, inner, dtype, form):
         "float32",
         "drop-in",
     )
-    if lion_drop_in and _jaxlib() < (0, 11, 0):
+    if lion_drop_in and jaxlib_version() < (0, 11, 0):
         pytest.xfail(
             "XLA:CPU before jaxlib 0.11 copies Lion's float32 moment on every "
             "drop-in step (the fused step does not): docs/performance.md"
@@ -235,7 +233,7 @@ def folds_in_branch(backend, form="fused"):
     reading the accumulator folded before the conditional
     (`optax_ext/_accumulate/window.py`): on XLA:CPU before jaxlib 0.11, and
     on XLA:GPU in the steps with a conditional (fused, drop-in)."""
-    old_cpu = backend == "cpu" and _jaxlib() < (0, 11, 0)
+    old_cpu = backend == "cpu" and jaxlib_version() < (0, 11, 0)
     return old_cpu or (backend == "gpu" and form in ("fused", "drop-in"))
 
 
