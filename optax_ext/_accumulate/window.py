@@ -249,9 +249,10 @@ def run_window(
     def clear_fold(grads, acc, mini_step, new):
         return clear(new)
 
+    # Where the branch folds everywhere, `new` is the fold: cleared as is.
     cleared = per_platform(
-        fold_and_clear if branch_on_gpu else clear_fold,
-        fold_and_clear if everywhere else clear_fold,
+        clear_fold if everywhere or emit is not None else fold_and_clear,
+        clear_fold,
         grads,
         acc,
         mini_step,
