@@ -18,6 +18,7 @@ from ._apply import (
 from ._leaves import (
     differentiated,
     inner_params,
+    restore_none,
     updates_for_inner,
     updates_for_params,
 )
@@ -100,15 +101,27 @@ class _SkipWhen(Configured):
             "opt_state",
             is_params=True,
         )
-        arrays = differentiated(params)
+        # The inner step gets what `update` gives it: `updates_for_inner`'s
+        # gradients (a zero for a Python number, such as `eqx.nn.Dropout`'s
+        # `p`, whose gradient is `None`: its state holds moments) and
+        # `inner_params`. Only the arrays with a gradient go through the
+        # conditional and come back new; the other leaves stay outside, as
+        # `update`'s `None` updates leave them.
+        arrays = restore_none(grads, differentiated(params))
 
-        def inner_apply(grads, inner_state, arrays):
-            return apply_gradients(
-                self._fusable_inner, grads, inner_state, arrays, **extra_args
+        def inner_apply(filled, inner_state, arrays):
+            new_params, new_state = apply_gradients(
+                self._fusable_inner,
+                filled,
+                inner_state,
+                inner_params(merge_trainable(params, arrays)),
+                **extra_args,
             )
+            return restore_none(arrays, new_params), new_state
 
+        filled = updates_for_inner(grads, params)
         new_arrays, new_state, _ = update_if(
-            _run(skip), inner_apply, (grads,), state, carry=arrays
+            _run(skip), inner_apply, (filled,), state, carry=arrays
         )
         new_state = strong_as_recorded(new_state, record)
         return merge_trainable(params, new_arrays), new_state

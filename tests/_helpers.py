@@ -4,7 +4,9 @@ import os
 import pathlib
 import re
 import subprocess
+from collections.abc import Callable
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -277,3 +279,41 @@ def child_pytest(python, args, env, what: str) -> str:
         f"{what} failed ({summary}):\n{result.stdout[-8000:]}\n{result.stderr[-4000:]}"
     )
     return summary
+
+
+class ModelWithPythonLeaves(eqx.Module):
+    """A tiny Equinox model whose leaves are not all arrays: an
+    `eqx.nn.Dropout` (a Python float `p`, a bool `inference`), an activation
+    function and a Python int. `eqx.filter_grad` gives each of them a `None`
+    gradient."""
+
+    linear: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+    activation: Callable
+    scale: int
+
+    def __call__(self, x):
+        return self.activation(self.linear(x)) * self.scale
+
+
+def model_with_python_leaves() -> ModelWithPythonLeaves:
+    return ModelWithPythonLeaves(
+        eqx.nn.Linear(3, 2, key=jax.random.key(0)),
+        eqx.nn.Dropout(0.25),
+        jax.nn.relu,
+        3,
+    )
+
+
+def model_grads(model, i: int):
+    """`eqx.filter_grad` of a squared-output loss on the `i`-th batch."""
+    x = jnp.cos(jnp.arange(6.0).reshape(2, 3) + i)
+    return eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+
+
+def assert_python_leaves_kept(new, model) -> None:
+    """`new`'s leaves that are not arrays are `model`'s, as they were."""
+    assert new.dropout.p == model.dropout.p and type(new.dropout.p) is float
+    assert new.dropout.inference is model.dropout.inference
+    assert new.activation is model.activation
+    assert new.scale == model.scale and type(new.scale) is int

@@ -14,6 +14,10 @@ import pytest
 from _helpers import (
     across_programs_exact,
     assert_close_across_programs,
+    assert_python_leaves_kept,
+    avals,
+    model_grads,
+    model_with_python_leaves,
     skip_cpu_memory_before_0_10_2,
     xla_cpu_only,
 )
@@ -183,6 +187,90 @@ def test_equinox_model():
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
     # two windows ran: the model moved
     assert not np.allclose(m_new.layers[0].weight, model.layers[0].weight)
+
+
+# Every form `apply_gradients` takes, over an Equinox model whose leaves are
+# not all arrays. `init` takes the model where the outermost transformation
+# is this package's; plain optax cannot build state for an activation
+# function (equinox #590), so it takes the model's floating arrays, as in
+# Equinox's examples. adamw's weight decay would move `Dropout.p` if its
+# inner update (of the zero gradient that `update` gives it) were applied.
+_adamw = functools.partial(optax.adamw, 1e-2, weight_decay=0.5)
+_injected = functools.partial(optax_ext.inject_hyperparams(optax.adamw), 1e-2)
+EQX_OPTIMIZERS = {
+    "adamw": (lambda: _adamw(), "arrays"),
+    "skip_when": (lambda: sw(_adamw()), "model"),
+    "MultiSteps": (lambda: ms(_adamw(), 2), "model"),
+    "skip_when(MultiSteps)": (lambda: sw(ms(_adamw(), 2)), "model"),
+    "MultiSteps(skip_when)": (lambda: ms(sw(_adamw()), 2), "model"),
+    "chain(zero_nans, adamw)": (
+        lambda: optax.chain(optax_ext.zero_nans(), _adamw()),
+        "arrays",
+    ),
+    "chain(zero_nans, skip_when)": (
+        lambda: optax.chain(optax_ext.zero_nans(), sw(_adamw())),
+        "model",
+    ),
+    "MultiSteps(chain(zero_nans, adamw))": (
+        lambda: ms(optax.chain(optax_ext.zero_nans(), _adamw()), 2),
+        "model",
+    ),
+    "inject_hyperparams": (lambda: _injected(weight_decay=0.5), "model"),
+    "skip_when(inject_hyperparams)": (
+        lambda: sw(_injected(weight_decay=0.5)),
+        "model",
+    ),
+    "MultiSteps(inject_hyperparams)": (
+        lambda: ms(_injected(weight_decay=0.5), 2),
+        "model",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", EQX_OPTIMIZERS)
+def test_equinox_model_with_python_leaves_equals_update_then_apply(name):
+    """Issue 40: for a model with an `eqx.nn.Dropout` (a Python float `p`,
+    `None` gradient), an activation function and a Python int, each form of
+    the fused step gives the params and state of `update` +
+    `eqx.apply_updates` (both under `eqx.filter_jit`) over 4 steps, one of
+    them skipped where there is a `skip_when`, and keeps the leaves that are
+    not arrays as they were. `skip_when` fused raised a pytree structure
+    error here."""
+    make, init_from = EQX_OPTIMIZERS[name]
+    opt = make()
+
+    @eqx.filter_jit
+    def reference(model, state, grads, extra):
+        updates, state = opt.update(grads, state, model, **extra)
+        return eqx.apply_updates(model, updates), state
+
+    @eqx.filter_jit
+    def fused(model, state, grads, extra):
+        return optax_ext.apply_gradients(opt, grads, state, model, **extra)
+
+    model = m_ref = m_new = model_with_python_leaves()
+    state = opt.init(
+        model if init_from == "model" else eqx.filter(model, eqx.is_inexact_array)
+    )
+    s_ref = s_new = state
+    for i in range(4):
+        extra = _skips(name, i)
+        m_ref, s_ref = reference(m_ref, s_ref, model_grads(m_ref, i), extra)
+        m_new, s_new = fused(m_new, s_new, model_grads(m_new, i), extra)
+        assert_python_leaves_kept(m_new, model)
+        assert_python_leaves_kept(m_ref, model)
+        assert avals(s_new) == avals(s_ref)
+        ops = (i + 1) * OPS_PER_STEP
+        assert_close_across_programs(s_new, s_ref, ops=ops, err_msg=f"state {i}")
+        p_new, p_ref = (eqx.filter(m, eqx.is_array) for m in (m_new, m_ref))
+        if not across_programs_exact():
+            assert_close_across_programs(p_new, p_ref, ops=ops, err_msg=f"params {i}")
+            continue
+        for a, b in zip(jax.tree.leaves(p_ref), jax.tree.leaves(p_new), strict=True):
+            # The final add may fuse apart: float32 within 1e-6 relative.
+            np.testing.assert_allclose(b, a, rtol=1e-6, atol=0, err_msg=f"params {i}")
+    # the model moved
+    assert not np.allclose(m_new.linear.weight, model.linear.weight)
 
 
 def test_vmap_over_independent_runs():

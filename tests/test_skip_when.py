@@ -1,5 +1,6 @@
 """skip_when: skip the inner optimizer on steps decided by a traced flag."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +9,10 @@ import pytest
 from _helpers import (
     assert_close_across_programs,
     assert_exact_zeros,
+    assert_python_leaves_kept,
     avals,
+    model_grads,
+    model_with_python_leaves,
     to_np,
 )
 
@@ -248,6 +252,94 @@ def test_equinox_float_field_without_gradient(wrap):
     want, _ = jax.jit(bare.update)(g, bare.init(p), p)
     assert u.w.dtype == want["w"].dtype
     np.testing.assert_array_max_ulp(np.asarray(u.w), np.asarray(want["w"]), maxulp=1)
+
+
+# Inner optimizers of `skip_when` for an Equinox model: adamw's weight decay
+# gives `Dropout.p` (optimised, with no gradient) a non-zero inner update,
+# which the step must not apply; MultiSteps accumulates a zero for it.
+DROPOUT_INNER = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.5),
+    "MultiSteps(adam, 1)": lambda: optax_ext.MultiSteps(optax.adam(1e-2), 1),
+}
+
+
+@pytest.mark.parametrize("inner", DROPOUT_INNER)
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_equinox_dropout_none_gradient_over_any_inner(inner, jit, fused):
+    """Issue 40: for a model with an `eqx.nn.Dropout` (a Python float `p`
+    whose `eqx.filter_grad` gradient is `None`), `apply_gradients` of
+    `skip_when(adam)` raised a pytree structure error, eagerly and jitted
+    with a traced `skip` (`skip_when(MultiSteps(adam, 1))`: on the
+    accumulator): the inner step got the gradients without the zero that
+    `update` gives it for `p`, against a state holding `p`'s moments.
+    Reference: the inner optimizer (without MultiSteps, k=1) on the model's
+    arrays, then `eqx.apply_updates`, on the steps not skipped."""
+    opt = optax_ext.skip_when(DROPOUT_INNER[inner]())
+    bare = DROPOUT_INNER["adam" if inner.startswith("MultiSteps") else inner]()
+
+    def step(model, state, grads, skip):
+        if fused:
+            return optax_ext.apply_gradients(opt, grads, state, model, skip=skip)
+        updates, state = opt.update(grads, state, model, skip=skip)
+        return eqx.apply_updates(model, updates), state
+
+    def reference(model, state, grads):
+        arrays = eqx.filter(model, eqx.is_inexact_array)
+        updates, state = bare.update(grads, state, arrays)
+        return eqx.apply_updates(model, updates), state
+
+    step = eqx.filter_jit(step) if jit else step
+    reference = eqx.filter_jit(reference) if jit else reference
+    model = want = model_with_python_leaves()
+    state = opt.init(model)
+    ref_state = bare.init(eqx.filter(model, eqx.is_inexact_array))
+    for i, skip in enumerate([False, True, False]):
+        grads = model_grads(model, i)
+        assert grads.dropout.p is None
+        model, state = step(model, state, grads, jnp.asarray(skip) if jit else skip)
+        if not skip:
+            want, ref_state = reference(want, ref_state, model_grads(want, i))
+        assert_python_leaves_kept(model, want)
+        for a, b in zip(
+            jax.tree.leaves(eqx.filter(model, eqx.is_array)),
+            jax.tree.leaves(eqx.filter(want, eqx.is_array)),
+            strict=True,
+        ):
+            # Compiled (or run) apart: an ulp apart at most.
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_fused_step_keeps_a_weak_float_given_no_gradient(skip):
+    """Issue 40: a Python float param under `jax.jit` (a weakly typed array)
+    given a `None` gradient. `update` hands the inner optimizer a zero for
+    it and gives it a `None` update, so `eqx.apply_updates` keeps it; fused,
+    the inner step got the `None` against the float's moments (a pytree
+    structure error), and must not apply the inner update of the zero
+    either (adamw's weight decay would move it from 0.5 to 0.475).
+    Reference: `update` + `eqx.apply_updates`."""
+    opt = optax_ext.skip_when(optax.adamw(0.1, weight_decay=0.5))
+    params = {"w": jnp.array([1.0, -2.0]), "p": 0.5}
+    grads = {"w": jnp.array([0.5, 0.25]), "p": None}
+
+    @jax.jit
+    def fused(params, state, skip):
+        return optax_ext.apply_gradients(opt, grads, state, params, skip=skip)
+
+    @jax.jit
+    def reference(params, state, skip):
+        updates, state = opt.update(grads, state, params, skip=skip)
+        return eqx.apply_updates(params, updates), state
+
+    state = opt.init(params)
+    got = fused(params, state, jnp.asarray(skip))
+    want = reference(params, state, jnp.asarray(skip))
+    assert float(got[0]["p"]) == 0.5
+    assert avals(got) == avals(want)
+    np.testing.assert_allclose(got[0]["w"], want[0]["w"], rtol=1e-6)
+    assert_close_across_programs(got[1], want[1], ops=ADAM_OPS)
 
 
 @pytest.mark.parametrize("wrap", ["skip_when", "inject_hyperparams"])
