@@ -1,10 +1,10 @@
 """`MultiSteps`: gradient accumulation, a drop-in for `optax.MultiSteps`.
 
 Each step folds the gradients into a running mean (or sum) in place; on the
-last mini-step of a window the inner optimizer runs, inside one `lax.cond`,
-on the window's mean. Everything is chosen by selection, never by
-arithmetic on state, so no dtype changes and no NaN or `inf` crosses a
-window. With `axis_name`, each device accumulates its own gradients and they
+last mini-step of a window the inner optimizer runs on the window's mean,
+inside one `lax.cond` (for `update` on GPUs and TPUs, selected as in
+optax). Everything is chosen by selection, never by arithmetic on state, so
+no dtype changes and no NaN or `inf` crosses a window. With `axis_name`, each device accumulates its own gradients and they
 are averaged once per window. With `weighted=True` each mini-step brings a
 weight (its token count) and the window emits the weighted mean. How the
 accumulator, the inner state and the params stay in their donated buffers
@@ -90,16 +90,21 @@ class MultiSteps(Configured):
     (extra keyword arguments such as `value=` go to the inner optimizer),
     `has_updated`, `inner_opt`, `gradient_transformation()` and state type,
     `optax.MultiStepsState`, so a checkpoint written by one loads into the
-    other. Each `update` folds the gradients into `acc_grads`; the mini-step
+    other (after a window's last mini-step through `optax_state`). Each
+    `update` folds the gradients into `acc_grads`; the mini-step
     that completes a window of `k = every_k_schedule(gradient_step)` accepted
     mini-steps applies the inner optimizer to the window's mean (or sum) and
-    returns its updates; every other mini-step returns exact zeros without
-    running it.
+    returns its updates; every other mini-step returns exact zeros. The
+    inner optimizer runs only on a window's last mini-step, in a
+    conditional, but for `update` on GPUs and TPUs: there it runs on every
+    mini-step, as in optax, because a conditional returning the updates
+    would hold them in memory; `optax_ext.apply_gradients` keeps the
+    conditional on every backend (`docs/multi_steps.md`).
 
     Beyond optax: every leaf of the inner state keeps its dtype, shape and
-    weak type on every step (it is selected, never blended); the
-    accumulator is reset by selection, so a NaN or `inf` never crosses a
-    window; no gradient is rounded into a narrower accumulator (a
+    weak type on every step (it is selected, never blended); a window's
+    first fold overwrites the accumulator (a selection), so a NaN or `inf`
+    never crosses a window; no gradient is rounded into a narrower accumulator (a
     `TypeError` instead); `params` may be a whole Equinox model. The full
     contract (numerics, window sizes, Equinox leaves, errors) is in
     `docs/multi_steps.md`.
@@ -184,9 +189,6 @@ class MultiSteps(Configured):
             self._weighted,
         )
         self._devices = device_state(axis_name)
-        # A window of one mini-step is possible unless k is a constant > 1.
-        k = every_k_schedule
-        self._may_emit_first = callable(k) or isinstance(k, bool) or k == 1
         # `check_state_structure`'s answers by the avals of its template.
         self._inner_structures: dict[tuple, Any] = {}
 
@@ -327,18 +329,14 @@ class MultiSteps(Configured):
             weights = window_weights(acc_weight, step.weight, mini_step)
         ends = _window_complete(mini_step, step.k) if emit is None else emit
         window_end = jnp.logical_and(jnp.logical_not(should_skip), ends)
-        mini_next, _ = _next_counters(
-            window_end, window_end, should_skip, mini_step, gradient_step
-        )
         grad_dtypes = jax.tree.map(lambda g: jnp.result_type(g), grads)
-        result, inner_state, acc, mini, emitted = run_window(
+        result, inner_state, acc, emitted = run_window(
             window_end,
             should_skip,
             weights,
             grads,
             state.acc_grads,
             mini_step,
-            mini_next,
             state.inner_opt_state,
             params,
             step.extra_args,
@@ -349,7 +347,6 @@ class MultiSteps(Configured):
                 as_gradient_dtype, mean, grad_dtypes
             ),
             mean=self._use_grad_mean,
-            may_emit_first=self._may_emit_first or emit is True,
             fused=fused,
             emit=emit,
         )
@@ -358,7 +355,7 @@ class MultiSteps(Configured):
             if fused
             else restore_none(given, result)
         )
-        _, gradient = _next_counters(
+        mini, gradient = _next_counters(
             window_end, emitted, should_skip, mini_step, gradient_step
         )
         fields: dict[str, Any] = dict(
@@ -377,6 +374,30 @@ class MultiSteps(Configured):
         return result, WeightedMultiStepsState(
             **fields, acc_weight=self._devices.add_axis(acc_weight)
         )
+
+    def optax_state(
+        self, state: optax.MultiStepsState | WeightedMultiStepsState
+    ) -> optax.MultiStepsState | WeightedMultiStepsState:
+        """`state` as `optax.MultiSteps` holds it at the same step, for it
+        to go on from: `acc_grads` zeros after a window's last mini-step
+        (`mini_step == 0`), where optax_ext keeps the window's mean for its
+        next fold to overwrite. optax's first fold adds to the accumulator
+        it finds (`acc + (g - acc) / 1`, or `acc + g` summing), so without
+        this it would not give optax_ext's numbers. Mid-window both hold
+        the same. A state of optax's goes on in optax_ext as it is.
+        Jittable; the state's type and avals are kept.
+
+        **Example:**
+
+        ```python
+        state = opt.optax_state(state)  # then optax.MultiSteps(...).update
+        ```
+        """
+        start = jnp.asarray(state.mini_step) == 0
+        acc = jax.tree.map(
+            lambda a: jnp.where(start, jnp.zeros_like(a), a), state.acc_grads
+        )
+        return state._replace(acc_grads=acc)
 
     def has_updated(
         self, state: optax.MultiStepsState | WeightedMultiStepsState

@@ -236,10 +236,11 @@ def jaxlib_version() -> tuple[int, ...]:
     return tuple(int(x) for x in found.groups())
 
 
-def cpu_branch_folds() -> bool:
-    """Whether XLA:CPU steps of `MultiSteps` fold the gradients in the
-    conditional's running branch (jaxlib below 0.11) rather than before it
-    (`optax_ext/_accumulate/window.folds_in_branch`)."""
+def cpu_before_jaxlib_0_11() -> bool:
+    """Whether XLA:CPU is that of a jaxlib below 0.11, whose fusion undoes
+    orders the package writes (Lion's moment after its updates) and which
+    gets the drop-in's every-step form
+    (`optax_ext/_accumulate/window.drop_in_in_conditional`)."""
     return jaxlib_version() < (0, 11)
 
 

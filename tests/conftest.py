@@ -43,18 +43,19 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
-@pytest.fixture(params=["fold first", "fold in branch"])
+@pytest.fixture(params=["conditional", "every step"])
 def window_form(request, monkeypatch):
-    """Runs a test with each form of a window's step: the accumulator
-    folded before the conditional, or inside its running branch. Which one
-    a program gets depends on jaxlib's version and the backend
-    (`optax_ext/_accumulate/window.folds_in_branch`), so the tests that
-    take this fixture check both, whatever runs them. JAX's caches are
-    cleared around it: a trace of the other form must not be reused."""
+    """Runs a test with each form of the drop-in's step: the inner
+    optimizer in a conditional, or on every step with its results
+    selected (as on GPUs and TPUs). Which one a program gets depends on
+    the backend and jaxlib's version
+    (`optax_ext/_accumulate/window.drop_in_in_conditional`), so the tests
+    that take this fixture check both, whatever runs them. JAX's caches
+    are cleared around it: a trace of the other form must not be reused."""
     from optax_ext._accumulate import window
 
-    in_branch = request.param == "fold in branch"
+    conditional = request.param == "conditional"
     jax.clear_caches()
-    monkeypatch.setattr(window, "folds_in_branch", lambda: in_branch)
+    monkeypatch.setattr(window, "drop_in_in_conditional", lambda p: conditional)
     yield request.param
     jax.clear_caches()

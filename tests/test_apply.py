@@ -372,11 +372,9 @@ def test_fused_step_has_no_params_sized_temporary(leaves, shape, inner):
     than the bare optimizer's own train step (the accumulator, the moments
     and the params stay in their donated buffers; the updates are never
     materialised), where the drop-in `update` + `apply_updates` needs
-    exactly one more: its tree of zero updates. Where the running branch
-    folds (XLA:CPU before jaxlib 0.11) an inner optimizer that reads the
-    mean in several loops writes it out: once for SGD with Nesterov
-    momentum, twice for Adafactor. (XLA:CPU; XLA:GPU and XLA:TPU:
-    tests/test_compiled_backends.py.)"""
+    exactly one more in its conditional: its tree of zero updates.
+    (XLA:CPU; XLA:GPU and XLA:TPU: tests/test_compiled_backends.py; the
+    whole train step, gradients not passed in: test_train_step_memory.py.)"""
     skip_cpu_memory_before_0_10_2()
     params = {f"w{i:03d}": jnp.zeros(shape, jnp.float32) for i in range(leaves)}
     opt = optax_ext.MultiSteps(INNER[inner](), 4)
@@ -397,16 +395,12 @@ def test_fused_step_has_no_params_sized_temporary(leaves, shape, inner):
     dropin_temp = _temp_over_params(dropin, opt, params)
     bare_temp = _temp_over_params(bare, tx, params)
     # (with many small leaves a few scalars and buffer tables per leaf remain:
-    # 12% of these 1 KiB leaves). SGD with Nesterov momentum reads the
-    # gradient twice (into the momentum and into the update), Adafactor in
-    # its factored moments too: computed in the branch, the window's mean is
-    # written out, where the bare step reads its input.
-    reads_twice = 0.0
-    if window.folds_in_branch():
-        reads_twice = {"sgd-nesterov": 1.0, "adafactor": 2.0}.get(inner, 0.0)
-    assert fused_temp < bare_temp + reads_twice + 0.15, (fused_temp, bare_temp)
-    if inner != "adafactor":  # its own temporaries may hold the zero updates
-        assert dropin_temp - fused_temp > 0.98 - reads_twice, (dropin_temp, fused_temp)
+    # 12% of these 1 KiB leaves).
+    assert fused_temp < bare_temp + 0.15, (fused_temp, bare_temp)
+    # Adafactor's own temporaries may hold the zero updates. Before jaxlib
+    # 0.11 the drop-in runs as optax's does (no conditional, no zeros).
+    if inner != "adafactor" and window.drop_in_in_conditional("cpu"):
+        assert dropin_temp - fused_temp > 0.98, (dropin_temp, fused_temp)
 
 
 @COMPILED

@@ -64,7 +64,7 @@ def test_gpu_and_tpu_compile_checks_pass():
 
 def test_sharded_checks_pass_with_jaxlib_0_11():
     """`test_sharded.py` on 8 simulated CPU devices with jax 0.11.2, where
-    the fold comes before the conditional (`window.folds_in_branch`)."""
+    whose XLA:CPU keeps orders that jaxlib 0.10's fusion undoes."""
     python = _python_or_skip()
     env = dict(
         os.environ,

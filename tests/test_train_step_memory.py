@@ -1,0 +1,231 @@
+"""The train step users write, compiled whole: a loss, `jax.grad` and the
+optimizer step in one `jax.jit`, params and state donated, the batch an
+argument. Its temporary memory with each optax_ext form is at most the
+larger of `optax.MultiSteps`' step and the bare inner optimizer's step,
+compiled the same way in the same test, plus 2% of the params' bytes.
+
+A step compiled with the gradients passed in has them all alive from its
+start whatever the design; here the backward pass produces them one by
+one, so a design that keeps them all alive until a conditional reads them
+shows. Exact, so asserted, for XLA:CPU (the JAX that runs the tests) and,
+deviceless (`tests/_compiled.py`), for an H200 and a TPU v5e with jax
+0.11.2. Independent of optax_ext's code but for the steps it compiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from _compiled import HERE, mesh, unavailable
+from jax.sharding import NamedSharding, PartitionSpec
+
+import optax_ext
+
+K = 4
+SLACK = 0.02
+BACKENDS = ["cpu", "gpu", "tpu"]
+FORMS = ["drop-in", "fused", "emit=False", "emit=True"]
+
+
+def _mlp(dtype, width=1024, depth=4, batch=8):
+    """A params-dominated model: `depth` square layers, a small batch."""
+    params = {f"w{i}": jnp.zeros((width, width), dtype) for i in range(depth)}
+
+    def loss(p, x):
+        h = x
+        for i in range(depth):
+            h = jnp.tanh(h @ p[f"w{i}"])
+        return jnp.mean(jnp.square(h.astype(jnp.float32)))
+
+    return params, loss, jnp.zeros((batch, width), dtype)
+
+
+def _gpt(dtype, d=256, layers=4, heads=4, vocab=1024, seq=64, batch=1):
+    """A GPT-2-like decoder: embeddings, blocks of causal attention and MLP
+    with layer norms and biases, tied output embedding."""
+    params = {"wte": (vocab, d), "wpe": (seq, d), "ln_f.g": (d,)}
+    for i in range(layers):
+        for name, shape in {
+            "ln_1.g": (d,),
+            "attn.w": (d, 3 * d),
+            "attn.b": (3 * d,),
+            "proj.w": (d, d),
+            "ln_2.g": (d,),
+            "fc.w": (d, 4 * d),
+            "fc.b": (4 * d,),
+            "out.w": (4 * d, d),
+        }.items():
+            params[f"h{i}.{name}"] = shape
+    params = {k: jnp.full(s, 0.01, dtype) for k, s in params.items()}
+
+    def norm(x, g):
+        x32 = x.astype(jnp.float32)
+        x32 = (x32 - x32.mean(-1, keepdims=True)) * jax.lax.rsqrt(
+            x32.var(-1, keepdims=True) + 1e-5
+        )
+        return x32.astype(x.dtype) * g
+
+    def loss(p, tokens):
+        x = p["wte"][tokens] + p["wpe"][None]
+        mask = jnp.tril(jnp.ones((seq, seq), bool))
+        for i in range(layers):
+            h = norm(x, p[f"h{i}.ln_1.g"])
+            q, k, v = jnp.split(h @ p[f"h{i}.attn.w"] + p[f"h{i}.attn.b"], 3, -1)
+            split = lambda t: t.reshape(batch, seq, heads, d // heads)  # noqa: E731
+            scores = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) / (d // heads)
+            scores = jnp.where(mask, scores.astype(jnp.float32), -1e9)
+            att = jax.nn.softmax(scores, -1).astype(x.dtype)
+            a = jnp.einsum("bhqk,bkhd->bqhd", att, split(v)).reshape(batch, seq, d)
+            x = x + a @ p[f"h{i}.proj.w"]
+            h = norm(x, p[f"h{i}.ln_2.g"])
+            x = (
+                x
+                + jax.nn.gelu(h @ p[f"h{i}.fc.w"] + p[f"h{i}.fc.b"]) @ p[f"h{i}.out.w"]
+            )
+        logits = (norm(x, p["ln_f.g"]) @ p["wte"].T).astype(jnp.float32)
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    return params, loss, jnp.zeros((batch, seq), jnp.int32)
+
+
+MODELS = {"mlp": _mlp, "gpt2-like": _gpt}
+
+_SCHEDULE = optax.linear_schedule(0.0, 1e-3, 10)
+# name: the inner optimizer, and the extra arguments each step passes it.
+INNER = {
+    "adamw": (lambda: optax.adamw(1e-3), {}),
+    "lion": (lambda: optax.lion(1e-4), {}),
+    "clip+adamw": (
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+        {},
+    ),
+    "adafactor": (lambda: optax.adafactor(1e-3), {}),
+    "zero_nans+inject(adamw)": (
+        lambda: optax.chain(
+            optax_ext.zero_nans(),
+            optax_ext.inject_hyperparams(optax.adamw)(learning_rate=_SCHEDULE),
+        ),
+        {},
+    ),
+    "skip_when(adamw)": (
+        lambda: optax_ext.skip_when(optax.adamw(1e-3)),
+        {"skip": True},
+    ),
+    "weighted adamw": (lambda: optax.adamw(1e-3), {"weight": True}),
+}
+CASES = [
+    pytest.param(model, inner, dtype, marks=pytest.mark.xdist_group(f"ts-{model}"))
+    for model in MODELS
+    for inner in INNER
+    for dtype in ("float32", "bfloat16")
+    if model == "mlp"
+    or (inner, dtype)
+    in {
+        ("adamw", "float32"),
+        ("adamw", "bfloat16"),
+        ("lion", "float32"),
+        ("clip+adamw", "float32"),
+    }
+]
+
+
+def _skip_unless(backend):
+    why = unavailable(backend)
+    if why is None:
+        return
+    if HERE:
+        pytest.fail(f"the {backend} compile checks must run here: {why}")
+    pytest.skip(why)
+
+
+def _bytes(tree):
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def train_step(opt, form, loss, extra):
+    """`form`: `"bare"` and `"optax"` (the reference optimizers) and
+    `"drop-in"` run `opt.update` then `optax.apply_updates`; the others
+    `optax_ext.apply_gradients`. `extra` names the traced scalars the
+    step takes after the batch (`skip`, `weight`)."""
+
+    def step(params, state, batch, *scalars):
+        grads = jax.grad(loss)(params, batch)
+        kwargs = dict(zip(extra, scalars, strict=True))
+        if form in ("bare", "optax", "drop-in"):
+            updates, state = opt.update(grads, state, params, **kwargs)
+            return optax.apply_updates(params, updates), state
+        emit = {"fused": None, "emit=False": False, "emit=True": True}[form]
+        return optax_ext.apply_gradients(opt, grads, state, params, emit=emit, **kwargs)
+
+    return step
+
+
+def compile_train_step(backend, step, params, state, batch, scalars, devices=1):
+    """`jax.jit(step, donate_argnums=(0, 1))` compiled for `backend`; with
+    `devices` > 1, params, state and batch split on their first axis over
+    that many devices (FSDP under `jax.jit`)."""
+    if backend == "cpu":
+        return (
+            jax.jit(step, donate_argnums=(0, 1))
+            .lower(params, state, batch, *scalars)
+            .compile()
+        )
+    m = mesh(backend, devices)
+
+    def shaped(tree):
+        def one(a):
+            split = devices > 1 and a.ndim and a.shape[0] % devices == 0
+            spec = PartitionSpec("x") if split else PartitionSpec()
+            return jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=NamedSharding(m, spec)
+            )
+
+        return jax.tree.map(one, tree)
+
+    with jax.set_mesh(m):
+        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(
+            *map(shaped, (params, state, batch, scalars))
+        )
+    return lowered.compile()
+
+
+@functools.cache
+def temp_ratio(backend, model, inner, dtype, form):
+    """The step's temporary memory over the params' bytes."""
+    params, loss, batch = MODELS[model](jnp.dtype(dtype))
+    make, extra_args = INNER[inner]
+    tx = make()
+    weighted = "weight" in extra_args
+    if form == "bare":
+        opt, extra = tx, [k for k in extra_args if k != "weight"]
+    elif form == "optax":
+        opt, extra = optax.MultiSteps(tx, K), [k for k in extra_args if k != "weight"]
+    else:
+        opt, extra = optax_ext.MultiSteps(tx, K, weighted=weighted), list(extra_args)
+    scalars = [jnp.bool_(True) if k == "skip" else jnp.float32(3.0) for k in extra]
+    state = jax.eval_shape(opt.init, params)
+    compiled = compile_train_step(
+        backend, train_step(opt, form, loss, extra), params, state, batch, scalars
+    )
+    return compiled.memory_analysis().temp_size_in_bytes / _bytes(params)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("model,inner,dtype", CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_more_memory_than_optax_multisteps(backend, model, inner, dtype, form):
+    """Temporary memory of the whole train step: at most the larger of
+    `optax.MultiSteps`' and the bare inner optimizer's, + 2% of the
+    params."""
+    _skip_unless(backend)
+    got = temp_ratio(backend, model, inner, dtype, form)
+    optax_ = temp_ratio(backend, model, inner, dtype, "optax")
+    bare = temp_ratio(backend, model, inner, dtype, "bare")
+    assert got <= max(optax_, bare) + SLACK, (
+        f"{form}: {got:.3f}x the params; optax.MultiSteps {optax_:.3f}x, "
+        f"bare {bare:.3f}x"
+    )
