@@ -9,7 +9,9 @@ median over rounds is reported, so that a noisy shared machine slows all
 candidates alike and the ratios stay meaningful.
 
 Every candidate is a train step jitted with params and optimizer state
-donated, the gradients passed in (not donated: they are reused):
+donated, the gradients passed in (not donated: they are reused), built by
+`_steps.py` (shared with `gpu_check.py`) but for the Equinox and
+`update` forms:
 
 - `accumulate`: fold the gradients into a running mean in place, return the
   params untouched: the least a mini-step can cost (the floor of the fused
@@ -20,8 +22,7 @@ donated, the gradients passed in (not donated: they are reused):
   per-buffer cost of each call dominates: merely passing Adam's two moments
   through doubles the time of 300 (64, 64) leaves;
 - `floor`: `accumulate+state` plus `optax.apply_updates(params, zeros)`
-  (the issue's floor; XLA folds `p + 0` away, so it costs what
-  `accumulate+state` does);
+  (XLA folds `p + 0` away, so it costs what `accumulate+state` does);
 - `updates floor`: `accumulate+state`, then a zero updates tree that XLA
   cannot fold (each leaf written by a `lax.cond` on a traced `False`, as
   any API handing back updates must write them), then
@@ -34,8 +35,8 @@ donated, the gradients passed in (not donated: they are reused):
   and an activation function, with `eqx.apply_updates`;
 - `optax update` / `ext update`: `jax.jit(opt.update, donate_argnums=1)`,
   the state donated and the params not (the form some code bases use);
-- `plain` / `plain fused`: `plain_multi_steps`, the simplest accumulation
-  one would write with a `lax.cond` (the fold outside it, the inner
+- `plain` / `plain fused`: `_steps.plain_multi_steps`, the simplest
+  accumulation one would write with a `lax.cond` (the fold outside it, the inner
   optimizer inside, the accumulator cleared by selection; zero updates in
   the idle branch, or the params carried through it): what optax_ext's
   ordering machinery must beat to pay for itself.
@@ -64,10 +65,16 @@ import optax
 import optax_ext
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _steps import (  # noqa: E402
+    NEVER,
+    floors,
+    multi_steps,
+    params_and_grads,
+    train_step,
+)
 from run import machine, time_interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-NEVER = 1_000_000_000
 
 INNER: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adam": lambda: optax.adam(1e-3),
@@ -89,102 +96,10 @@ class Model(eqx.Module):
     activation: Callable = eqx.field(static=False, default=jax.nn.relu)
 
 
-def make_params(layout: str, dtype: str) -> dict[str, jax.Array]:
-    n, shape = LAYOUTS[layout]
-    key = jax.random.key(0)
-    return {
-        f"w{i:03d}": (
-            0.01 * jax.random.normal(jax.random.fold_in(key, i), shape)
-        ).astype(dtype)
-        for i in range(n)
-    }
-
-
-def accumulate_transform() -> optax.GradientTransformation:
-    """A running mean in a float32 buffer; updates are zeros."""
-
-    def init(params):
-        acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        return jnp.zeros((), jnp.int32), acc
-
-    def fold(grads, state):
-        n, acc = state
-        acc = jax.tree.map(
-            lambda a, g: a + (g.astype(a.dtype) - a) / (n + 1).astype(a.dtype),
-            acc,
-            grads,
-        )
-        return n + 1, acc
-
-    return optax.GradientTransformation(init, fold)  # update: see `steps`
-
-
-def plain_multi_steps(inner: optax.GradientTransformation, k: int):
-    """A ~40-line MultiSteps with one plain `lax.cond`: `(init, update,
-    apply)`, `apply` returning the new params (the fused form)."""
-
-    def init(params):
-        acc = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        return jnp.zeros((), jnp.int32), acc, inner.init(params)
-
-    def fold(grads, state):
-        n, acc, inner_state = state
-
-        def one(a, g):
-            g = g.astype(a.dtype)
-            return jnp.where(n == 0, g, a + (g - a) / (n + 1).astype(a.dtype))
-
-        return n, jax.tree.map(one, acc, grads), inner_state, n + 1 >= k
-
-    def mean(acc, params):
-        return jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
-
-    def finish(n, acc, emit, inner_state):
-        acc = jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc)
-        return jnp.where(emit, 0, n + 1), acc, inner_state
-
-    def update(grads, state, params):
-        n, acc, inner_state, emit = fold(grads, state)
-
-        def run(acc, inner_state):
-            return inner.update(mean(acc, params), inner_state, params)
-
-        def idle(acc, inner_state):
-            return jax.tree.map(jnp.zeros_like, params), inner_state
-
-        updates, inner_state = jax.lax.cond(emit, run, idle, acc, inner_state)
-        return updates, finish(n, acc, emit, inner_state)
-
-    def apply(grads, state, params):
-        n, acc, inner_state, emit = fold(grads, state)
-
-        def run(acc, inner_state, params):
-            updates, inner_state = inner.update(mean(acc, params), inner_state, params)
-            return optax.apply_updates(params, updates), inner_state
-
-        def idle(acc, inner_state, params):
-            return params, inner_state
-
-        params, inner_state = jax.lax.cond(emit, run, idle, acc, inner_state, params)
-        return params, finish(n, acc, emit, inner_state)
-
-    return init, update, apply
-
-
 def steps(inner: str, emit: bool) -> dict[str, tuple[Callable, Callable]]:
     """name -> (init(params), step(params, state, grads) -> (params, state))."""
     make = INNER[inner]
     k = 1 if emit else NEVER
-
-    def train_step(opt, apply=optax.apply_updates):
-        def step(params, state, grads):
-            updates, state = opt.update(grads, state, params)
-            return apply(params, updates), state
-
-        return opt.init, step
-
-    def fused(opt):
-        return opt.init, lambda p, s, g: optax_ext.apply_gradients(opt, g, s, p)
 
     def update_only(opt):
         def step(params, state, grads):
@@ -192,46 +107,6 @@ def steps(inner: str, emit: bool) -> dict[str, tuple[Callable, Callable]]:
             return updates, state  # params are not donated in this form
 
         return opt.init, step
-
-    acc = accumulate_transform()
-    held = make()
-    plain_init, plain_update, plain_apply = plain_multi_steps(make(), k)
-
-    def plain(params, state, grads):
-        updates, state = plain_update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    def plain_fused(params, state, grads):
-        return plain_apply(grads, state, params)
-
-    def accumulate(params, state, grads):
-        return params, acc.update(grads, state)
-
-    def init_holding(params):
-        return acc.init(params), held.init(params)
-
-    def accumulate_holding(params, state, grads):
-        acc_state, inner_state = state
-        return params, (acc.update(grads, acc_state), inner_state)
-
-    def floor(params, state, grads):
-        params, state = accumulate_holding(params, state, grads)
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        return optax.apply_updates(params, zeros), state
-
-    def updates_floor(params, state, grads):
-        params, state = accumulate_holding(params, state, grads)
-        never = state[0][0] < 0  # the count: a traced False
-
-        def zeros(never):
-            # One scalar per leaf, so XLA writes each leaf once (no copies).
-            return {
-                k: jnp.full(p.shape, jnp.where(never, i + 1, 0), p.dtype)
-                for i, (k, p) in enumerate(params.items())
-            }
-
-        updates = jax.lax.cond(never, zeros, zeros, never)
-        return optax.apply_updates(params, updates), state
 
     def eqx_step(opt):
         def init(params):
@@ -246,24 +121,15 @@ def steps(inner: str, emit: bool) -> dict[str, tuple[Callable, Callable]]:
 
         return init, step
 
-    out = {
-        "optax": train_step(optax.MultiSteps(make(), k)),
-        "ext": train_step(optax_ext.MultiSteps(make(), k)),
-        "ext fused": fused(optax_ext.MultiSteps(make(), k)),
-        "optax eqx": eqx_step(optax.MultiSteps(make(), k)),
-        "ext eqx": eqx_step(optax_ext.MultiSteps(make(), k)),
-        "optax update": update_only(optax.MultiSteps(make(), k)),
-        "ext update": update_only(optax_ext.MultiSteps(make(), k)),
-        "plain": (plain_init, plain),
-        "plain fused": (plain_init, plain_fused),
-    }
+    out = multi_steps(make, k)
+    out["optax eqx"] = eqx_step(optax.MultiSteps(make(), k))
+    out["ext eqx"] = eqx_step(optax_ext.MultiSteps(make(), k))
+    out["optax update"] = update_only(optax.MultiSteps(make(), k))
+    out["ext update"] = update_only(optax_ext.MultiSteps(make(), k))
     if emit:
         out["bare"] = train_step(make())
     else:
-        out["accumulate"] = (acc.init, accumulate)
-        out["accumulate+state"] = (init_holding, accumulate_holding)
-        out["floor"] = (init_holding, floor)
-        out["updates floor"] = (init_holding, updates_floor)
+        out.update(floors(make))
     return out
 
 
@@ -291,8 +157,8 @@ class Runner:
 
 
 def bench(inner: str, layout: str, dtype: str, rounds: int) -> dict:
-    params = make_params(layout, dtype)
-    grads = jax.tree.map(lambda p: jnp.cos(p * 100).astype(p.dtype), params)
+    n, shape = LAYOUTS[layout]
+    params, grads = params_and_grads({f"w{i:03d}": shape for i in range(n)}, dtype)
     runners = {}
     for emit in (False, True):
         for name, (init, step) in steps(inner, emit).items():
@@ -494,7 +360,7 @@ def write_tables(results: dict, path: Path, measured_on: str | None = None) -> s
     t4 = [
         "## Against a plain `lax.cond` MultiSteps",
         "",
-        "`plain_multi_steps` (see the script): time ratios plain / optax_ext "
+        "`plain_multi_steps` (`benchmarks/_steps.py`): time ratios plain / optax_ext "
         "(above 1: optax_ext faster) and compiled temporary memory in MiB.",
         "",
         "| inner | params | dtype | drop-in mini | drop-in emit | fused mini "

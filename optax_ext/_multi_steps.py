@@ -4,11 +4,11 @@ Each step folds the gradients into a running mean (or sum) in place; on the
 last mini-step of a window the inner optimizer runs on the window's mean,
 inside one `lax.cond` (for `update` on GPUs and TPUs, selected as in
 optax). Everything is chosen by selection, never by arithmetic on state, so
-no dtype changes and no NaN or `inf` crosses a window. With `axis_name`, each device accumulates its own gradients and they
-are averaged once per window. With `weighted=True` each mini-step brings a
-weight (its token count) and the window emits the weighted mean. How the
-accumulator, the inner state and the params stay in their donated buffers
-is in `docs/design.md`.
+no dtype changes and no NaN or `inf` crosses a window. With `axis_name`,
+each device accumulates its own gradients and they are averaged once per
+window. With `weighted=True` each mini-step brings a weight (its token
+count) and the window emits the weighted mean. Why this form keeps memory
+at optax's or below is in `docs/design.md`.
 """
 
 from __future__ import annotations
