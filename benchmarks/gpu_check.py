@@ -33,16 +33,16 @@ closes); an emitting step closes its window and updates the params
 once, in a shuffled order. The columns:
 
 - scan ms: per step, K steps in one jitted `lax.scan` (the device's time);
-- host ms: per step, K calls of the jitted step from Python (what a training
-  loop that dispatches every step pays);
+- host ms: per step, K calls of the jitted step from Python (a training loop);
 - optax / step: optax.MultiSteps' time over this step's, scan / host (above 1:
   this step is faster);
 - floor: the least a mini-step of this form can cost;
 - step / floor: this mini-step's time over its floor's, scan / host;
 - goal: what this step should reach; met: whether it does, scan / host;
-- temporary MiB: what XLA allocates for one compiled step beyond its
-  arguments (`memory_analysis()`; a window's step, which holds both branches
-  as every mode's does); / optax: that over optax.MultiSteps' (below 1: less).
+- temporary MiB: what XLA allocates for one compiled step beyond its arguments
+  (`memory_analysis()`): a window's step (as much as a mini-step's or an
+  emitting step's: one program holds both branches), or a floor's mini-step;
+- / optax: that over optax.MultiSteps' (below 1: less memory).
 """
 
 from __future__ import annotations
@@ -50,17 +50,18 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import functools
 import json
 import os
 import random
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from statistics import median
 
 # One GPU shared by the suite's workers and then this process: allocate as
 # needed (set before JAX is imported).
@@ -85,7 +86,6 @@ MODES = {
     "emit": (1, [True], "emitting step"),
     "window": (WINDOW, [False] * 3 + [True], f"step over a window of {WINDOW}"),
 }
-FORMS = ("scan", "host")
 CANDIDATES = ("optax", "ext", "ext fused", "host-chosen", "plain", "plain fused")
 FLOORS = ("accumulate", "accumulate+state", "updates floor")
 # The floor each mini-step is held to: what its form cannot avoid.
@@ -102,10 +102,7 @@ for _step in ("ext", "ext fused", "host-chosen"):
 # layout:dtype, in priority order (the time budget drops cases from the end).
 CASES = ["gpt2-small:float32", "large:float32", "large:bfloat16", "gpt2-small:bfloat16"]
 LEGEND = __doc__.split("train-step tables hold:\n\n")[1]
-
-
-def inner() -> optax.GradientTransformation:
-    return optax.adamw(1e-4)
+INNER = functools.partial(optax.adamw, 1e-4)
 
 
 def run_suite(timeout_s: float, platform_name: str) -> dict:
@@ -136,7 +133,6 @@ def run_suite(timeout_s: float, platform_name: str) -> dict:
     return {
         "command": shown,
         "summary": summary,
-        "returncode": run.returncode,
         "seconds": round(seconds, 1),
         "failures": [x for x in lines if re.match(r"(FAILED|ERROR) ", x)][:50],
         "tail": [] if found else lines[-15:],
@@ -144,8 +140,7 @@ def run_suite(timeout_s: float, platform_name: str) -> dict:
 
 
 def shapes(layout: str, quick: bool) -> dict:
-    """8 large leaves, or GPT-2 small's 148 (as in its checkpoints); `quick`
-    keeps the leaves and scales their sizes down."""
+    """8 large leaves, or GPT-2 small's 148; `quick` scales their sizes down."""
     if layout == "large":
         return {f"w{i}": (128, 128) if quick else (4096, 4096) for i in range(8)}
     vocab, ctx, d = (1000, 64, 32) if quick else (50257, 1024, 768)
@@ -168,8 +163,7 @@ def label(case: str, quick: bool) -> str:
 
 
 def compile_all(jobs: dict, params, grads, workers: int) -> dict:
-    """step -> compiled, for jobs {step: init}: lowered on abstract values,
-    params and state donated, compiled in threads."""
+    """{step: init} -> {step: compiled}, params and state donated, in threads."""
     spec = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
 
     def build(step, init):
@@ -182,24 +176,16 @@ def compile_all(jobs: dict, params, grads, workers: int) -> dict:
         return {step: f.result() for step, f in futures.items()}
 
 
-def temp_mib(programs: list) -> float | None:
-    try:
-        return max(p.memory_analysis().temp_size_in_bytes for p in programs) / 2**20
-    except (AttributeError, NotImplementedError):  # no memory analysis here
-        return None
-
-
 def bench_case(case: str, quick: bool, n_steps: int, rounds: int, workers: int):
-    """ms per step {mode: {step: {form: ms}}}, the temporary MiB of each
-    compiled step, compile seconds."""
+    """ms per step {mode: {step: {form: ms}}}, and each step's temporary MiB."""
     layout, dtype = case.split(":")
     params, grads = params_and_grads(shapes(layout, quick), dtype)
-    ms_window = optax_ext.MultiSteps(inner(), WINDOW)
+    ms_window = optax_ext.MultiSteps(INNER(), WINDOW)
     chosen = {emit: fused(ms_window, emit)[1] for emit in (False, True)}
-    floor_steps = floors(inner)
+    floor_steps = floors(INNER)
     plans: dict = {}  # mode -> step -> (init, {form: the programs it calls})
     for mode, (k, emits, _) in MODES.items():
-        steps = multi_steps(inner, k)
+        steps = multi_steps(INNER, k)
         steps.update({name: floor_steps[name] for name in FLOORS * (mode == "mini")})
         steps["host-chosen"] = (ms_window.init, [chosen[emit] for emit in emits])
         for name, (init, step) in steps.items():
@@ -218,11 +204,11 @@ def bench_case(case: str, quick: bool, n_steps: int, rounds: int, workers: int):
 
     def timer(programs: list, buffers: list):
         def call() -> float:
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             for program in programs:
                 buffers[:] = program(*buffers, grads)
             jax.block_until_ready(buffers)
-            return time.perf_counter() - start
+            return time.perf_counter() - t0
 
         return call
 
@@ -242,13 +228,13 @@ def bench_case(case: str, quick: bool, n_steps: int, rounds: int, workers: int):
             for key in order:
                 times[key].append(calls[key]())
         for (name, form), t in times.items():
-            median = statistics.median(t[1:])
-            ms[mode].setdefault(name, {})[form] = 1e3 * median / n_steps
+            ms[mode].setdefault(name, {})[form] = 1e3 * median(t[1:]) / n_steps
     memory = {}  # a window's step, or a floor's mini-step
     for mode, names in (("window", CANDIDATES), ("mini", FLOORS)):
         for name in names:
-            programs = set(plans[mode][name][1]["host"])
-            memory[name] = temp_mib([compiled[f] for f in programs])
+            programs = {compiled[f] for f in plans[mode][name][1]["host"]}
+            sizes = [p.memory_analysis().temp_size_in_bytes for p in programs]
+            memory[name] = max(sizes) / 2**20
     peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     return {
         "ms": ms,
@@ -271,7 +257,7 @@ def time_table(times: dict, mode: str) -> list[str]:
     """One mode's times, their ratios to optax and the floors, and goals."""
     mini = mode == "mini"
     at = lambda name, form: times.get(name, {}).get(form)
-    ratios = lambda a, b: [_div(at(a, f), at(b, f)) for f in FORMS]
+    ratios = lambda a, b: [_div(at(a, f), at(b, f)) for f in ("scan", "host")]
     pair = lambda values: " / ".join(map(_fmt, values))
     head = ["step", "scan ms", "host ms", "optax / step"]
     head += ["floor", "step / floor"] * mini + ["goal", "met"]
@@ -314,12 +300,14 @@ def render(report: dict) -> str:
         if "ms" not in case:
             lines += [f"Not run: {case.get('skipped', 'cut off')}.", ""]
             continue
-        peak = case["peak_gib"]
-        peak = "." if peak is None else f"; peak device memory {peak:.1f} GiB."
-        lines += [f"{case['programs']} programs compiled in {case['compile_s']:.0f} s"]
-        lines[-1] += f"{peak} K = {cfg['steps']}, {cfg['rounds']} rounds."
+        lines += [
+            f"K = {cfg['steps']}, {cfg['rounds']} rounds; {case['programs']} programs "
+            f"compiled in {case['compile_s']:.0f} s; peak device memory in GiB: "
+            f"{_fmt(case['peak_gib'], 1)}.",
+            "",
+        ]
         for mode in MODES:
-            lines += ["", *time_table(case["ms"][mode], mode)]
+            lines += time_table(case["ms"][mode], mode)
         lines += ["Memory of the whole train step against optax.MultiSteps:", ""]
         lines += ["| step | temporary MiB | / optax |", "|---|---|---|"]
         mib = case["temp_mib"]
@@ -371,7 +359,8 @@ def main() -> None:
 
     def cut_off() -> None:  # at the budget, even inside a compile: what is done
         for case in report.get("bench", {}).get("cases", {}).values():
-            case.setdefault("skipped", f"the time budget ({args.budget:.0f} s) ended")
+            if "ms" not in case:
+                case.setdefault("skipped", "the time budget (--budget) ended")
         try:
             write(final=True)
         finally:
@@ -382,17 +371,16 @@ def main() -> None:
     if not args.quick:
         watchdog.start()
     if not (args.bench_only or args.quick):
-        left = args.budget - (time.monotonic() - start) - 10
-        timeout = min(args.suite_timeout, max(left, 1))
+        timeout = max(1, min(args.suite_timeout, args.budget - 20))
         report["suite"] = run_suite(timeout, args.suite_platform)
         write()
     if not args.suite_only:
         config = {"steps": n_steps, "rounds": rounds, "inner": "optax.adamw(1e-4)"}
-        cases = {label(case, args.quick): {} for case in CASES}
+        skip = {"skipped": "not selected (--case, or --quick)"}
+        cases = {label(c, args.quick): {} if c in chosen else skip for c in CASES}
         report["bench"] = {"config": config, "cases": cases}
         for case, key in zip(CASES, list(cases), strict=True):
             if case not in chosen:
-                cases[key]["skipped"] = "not selected (--case, or --quick)"
                 continue
             print(f"{key}:", flush=True)
             t = time.monotonic()

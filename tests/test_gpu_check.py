@@ -1,6 +1,6 @@
 """`benchmarks/gpu_check.py` runs where no GPU is: its `--quick` smoke run
-on one scaled-down case, so that a GPU, when one is lent for a few
-minutes, is not spent finding a broken script."""
+(one case on tiny shapes, every step and table of a full run), so that a GPU,
+when one is lent for a few minutes, is not spent finding a broken script."""
 
 import json
 import os
@@ -11,25 +11,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+STEPS = ("optax", "ext", "ext fused", "host-chosen", "plain", "plain fused")
+FLOORS = ("accumulate", "accumulate+state", "updates floor")
 
 
 @pytest.mark.xdist_group("gpu_check")
-def test_quick_run_times_every_candidate_and_writes_its_report(tmp_path):
-    """One case, every candidate and floor timed both ways (inside one
-    `lax.scan`, and in a host loop) for a mini-step, an emitting step and a
-    window; the cases not selected are reported as not run; the report is
-    written as Markdown and JSON."""
+def test_quick_run_times_and_sizes_every_step_and_writes_its_report(tmp_path):
+    """One case: every step and floor timed both ways (inside one `lax.scan`,
+    and in a host loop) as a mini-step, an emitting step and a window, and
+    the temporary memory of each compiled step; the other cases reported as
+    not run; the report written as Markdown, its tables titled by what they
+    measure, and as JSON."""
     run = subprocess.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "gpu_check.py"),
             "--quick",
-            "--case",
-            "large:float32",
-            "--steps",
-            "4",
-            "--rounds",
-            "1",
             "--workers",
             "1",
             "--out",
@@ -42,18 +39,25 @@ def test_quick_run_times_every_candidate_and_writes_its_report(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     (report,) = tmp_path.glob("*.json")
-    data = json.loads(report.read_text())
-    assert report.with_suffix(".md").exists()
-    cases = data["bench"]["cases"]
+    cases = json.loads(report.read_text())["bench"]["cases"]
     ran = {k: v for k, v in cases.items() if "skipped" not in v}
-    assert list(ran) == ["8 x (256, 256), float32"], cases
+    assert list(ran) == ["8 x (128, 128), scaled down, float32"], cases
     assert all("not selected" in v["skipped"] for k, v in cases.items() if k not in ran)
-    ms = ran["8 x (256, 256), float32"]["ms"]
-    assert set(ms) == {"mini", "emit", "window"}, ms
-    floors = ("accumulate", "accumulate+state", "drop-in floor")
-    for step, by_candidate in ms.items():
-        timed = ("optax", "ext", "ext fused", "host-chosen", "plain", "plain fused")
-        for candidate in timed + (floors if step == "mini" else ()):
-            times = by_candidate[candidate]
-            assert set(times) == {"scan", "host"}, (step, candidate, times)
-            assert all(t > 0 for t in times.values()), (step, candidate, times)
+    (case,) = ran.values()
+    assert set(case["ms"]) == {"mini", "emit", "window"}, case["ms"]
+    for mode, by_step in case["ms"].items():
+        for step in STEPS + (FLOORS if mode == "mini" else ()):
+            times = by_step[step]
+            assert set(times) == {"scan", "host"}, (mode, step, times)
+            assert all(t > 0 for t in times.values()), (mode, step, times)
+    assert set(case["temp_mib"]) == set(STEPS + FLOORS), case["temp_mib"]
+    assert all(mib >= 0 for mib in case["temp_mib"].values()), case["temp_mib"]
+    text = report.with_suffix(".md").read_text()
+    for title in (
+        "Time per mini-step:",
+        "Time per emitting step:",
+        "Time per step over a window of 4:",
+        "Memory of the whole train step against optax.MultiSteps:",
+    ):
+        assert title in text, title
+    assert "issue" not in text.lower()
