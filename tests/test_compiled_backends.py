@@ -12,14 +12,18 @@ said):
 
 - a mini-step runs no op of the inner optimizer: they are all inside a
   conditional branch (XLA:GPU turns a conditional of cheap ops into
-  selects, running Adam on every step, unless something keeps it);
+  selects, running Adam on every step, unless something keeps it); but
+  for the drop-in on GPUs and TPUs, which runs them on every step as
+  optax.MultiSteps does;
 - no array of a params leaf's shape (of at least 2**16 elements) is
   copied on a mini-step, nor, on XLA:GPU, on an emitting step;
 - the fused step needs at most the bare inner optimizer's train step's
   temporary memory plus 2% of the params' bytes (`temp_bound` says what
   more a chain that reduces over the updates may need on XLA:TPU, and
-  half precision and a nested MultiSteps); the drop-in one at most that
-  plus the zero updates it returns (1.0x the params);
+  half precision and a nested MultiSteps); the drop-in one at most that,
+  plus the zero updates its conditional returns on XLA:CPU (1.0x the
+  params); the whole train step against optax.MultiSteps:
+  `test_train_step_memory.py`;
 - every donated buffer is handed back (aliased);
 - with params, state and gradients split over 4 devices under `jax.jit`
   (FSDP), the same per device (GPU and TPU).
@@ -200,41 +204,36 @@ def test_mini_step_runs_no_inner_optimizer(backend, layout, inner, dtype, form):
     """Every op of the inner optimizer is inside a conditional branch (and
     there are some: the check is not vacuous), and no params-leaf-shaped
     array is copied on a mini-step; on XLA:GPU not on an emitting step
-    either. (XLA:TPU copies a bfloat16 Lion's params or moment inside the
-    emitting branch, as its bare step does not: there only the mini-step
-    is checked.)"""
+    either. The drop-in on GPUs and TPUs (and XLA:CPU before jaxlib 0.11)
+    runs the inner optimizer on every step instead, as optax.MultiSteps
+    does: no conditional of its own there. (XLA:TPU copies a bfloat16
+    Lion's params or moment inside the emitting branch, as its bare step
+    does not: there only the mini-step is checked.)"""
     _skip_unless(backend)
     if backend == "cpu" and dtype == "bfloat16" and jaxlib_version() < (0, 9, 1):
         # XLA:CPU before jaxlib 0.9.1 computes bfloat16 through float32 and
         # copies every state leaf (docs/design.md, "When JAX or XLA changes").
         pytest.skip("jaxlib < 0.9.1 copies bfloat16 state on XLA:CPU")
-    got, _ = _check(backend, layout, inner, dtype, form)
+    got, bare = _check(backend, layout, inner, dtype, form)
+    nested = INNER[inner][2] == "nested"
+    if form == "drop-in" and not drop_in_in_conditional(backend):
+        assert got["conditionals"] == int(nested), got
+        assert got["markers_outside"] >= 1, got
+        assert len(got["copies"]) <= len(bare["copies"]), got["copies"]
+        return
     assert got["conditionals"] >= 1, got
     assert got["markers_outside"] == 0, got
     assert got["markers_inside"] >= 1, got
-    lion_drop_in = (backend, inner, dtype, form) == (
-        "cpu",
-        "lion",
-        "float32",
-        "drop-in",
-    )
-    if lion_drop_in and jaxlib_version() < (0, 11, 0):
-        pytest.xfail(
-            "XLA:CPU before jaxlib 0.11 copies Lion's float32 moment on every "
-            "drop-in step (the fused step does not): docs/performance.md"
-        )
     assert got["copies"] == [], got["copies"]
     if backend == "gpu":
         assert got["branch_copies"] == [], got["branch_copies"]
 
 
-def folds_in_branch(backend, form="fused"):
-    """Whether the running branch folds the gradients itself rather than
-    reading the accumulator folded before the conditional
-    (`optax_ext/_accumulate/window.py`): on XLA:CPU before jaxlib 0.11, and
-    on XLA:GPU in the steps with a conditional (fused, drop-in)."""
-    old_cpu = backend == "cpu" and jaxlib_version() < (0, 11, 0)
-    return old_cpu or (backend == "gpu" and form in ("fused", "drop-in"))
+def drop_in_in_conditional(backend):
+    """Whether the drop-in `update` runs the inner optimizer in a
+    conditional (`optax_ext/_accumulate/window.drop_in_in_conditional`):
+    on XLA:CPU from jaxlib 0.11; elsewhere on every step, as optax does."""
+    return backend == "cpu" and jaxlib_version() >= (0, 11)
 
 
 def temp_bound(backend, inner, dtype, form, bare_temp, params_bytes):
@@ -242,12 +241,7 @@ def temp_bound(backend, inner, dtype, form, bare_temp, params_bytes):
     slack = 0.02
     kind = INNER[inner][2]
     narrow = jnp.dtype(dtype).itemsize < 4
-    if kind == "reduces" and folds_in_branch(backend, form):
-        # The window's mean, computed in the branch and read twice (the
-        # global norm, then the update), may be written out once: XLA:CPU
-        # does (1.0x); XLA:GPU needs 0.094x for the GPT-2-like tree.
-        slack += 1.0 if backend == "cpu" else 0.1
-    elif kind == "reduces" and backend == "tpu":
+    if kind == "reduces" and backend == "tpu":
         # The issue's aim: within 1.0x of the bare step. XLA:TPU needs
         # +0.50x (fused), +0.78x (drop-in, above its zero updates), +0.92x
         # (emit=True) with the GPT-2-like tree (benchmarks/results/deviceless.md).
@@ -255,11 +249,7 @@ def temp_bound(backend, inner, dtype, form, bare_temp, params_bytes):
     elif kind == "reduces" and backend == "gpu":
         # emit=True: XLA:GPU writes out one large leaf's mean (0.25x of 4).
         slack += 0.25
-    if kind == "nested" and folds_in_branch(backend, form):
-        # The inner MultiSteps' conditional takes the window's mean as an
-        # operand: a buffer, in the accumulator's float32.
-        slack += 4 / jnp.dtype(dtype).itemsize
-    elif kind == "nested":
+    if kind == "nested":
         # The mean handed to the inner MultiSteps in half precision, below
         # its float32 accumulator; drop-in, the inner one's zero updates.
         slack += float(narrow) + float(form == "drop-in")
@@ -267,8 +257,8 @@ def temp_bound(backend, inner, dtype, form, bare_temp, params_bytes):
         # XLA:CPU rounds the float32 mean to the half-precision gradients'
         # dtype in a loop of its own: written out once.
         slack += 1.0
-    if form == "drop-in":
-        slack += 1.0  # the zero updates it returns
+    if form == "drop-in" and drop_in_in_conditional(backend):
+        slack += 1.0  # the zero updates its conditional returns
     return bare_temp + slack * params_bytes
 
 
@@ -333,9 +323,7 @@ def test_host_chosen_steps_hold_no_conditional(backend, layout, inner, dtype, em
     # A nested MultiSteps runs the optimizer in its own conditional.
     assert got["markers_inside" if nested else "markers_outside"] >= 1, got
     skip_cpu_memory_before_0_10_2(backend)
-    if not (nested and folds_in_branch(backend, emit)):
-        # Where the branch folds, XLA:CPU copies the inner accumulator.
-        assert len(got["copies"]) <= len(bare["copies"]), got["copies"]
+    assert len(got["copies"]) <= len(bare["copies"]), got["copies"]
     bound = temp_bound(backend, inner, dtype, emit, bare["temp"], got["params"])
     assert got["temp"] <= bound, (got["temp"] / got["params"], bare["temp"])
 
@@ -344,12 +332,8 @@ def test_host_chosen_steps_hold_no_conditional(backend, layout, inner, dtype, em
 def test_loops_over_the_accumulator_per_step(backend):
     """The loops that write a params-leaf-sized array outside the
     conditional, Adam-W's fused step on 4 large leaves: every step runs
-    them. Where the branch folds (XLA:GPU, XLA:CPU before jaxlib 0.11),
-    one per leaf: the fold and the reset in one loop after the
-    conditional, the least a mini-step can do. Elsewhere two: the fold
-    before the conditional, the reset after it (a second read and write
-    of the accumulator, for a mean the emitting branch reads as a
-    buffer)."""
+    them. One per leaf, the fold: the least a mini-step can do (nothing
+    clears the accumulator after the conditional)."""
     _skip_unless(backend)
     params = LAYOUTS["4 large"](jnp.float32)
     opt = optax_ext.MultiSteps(optax.adamw(1e-3), K)
@@ -364,8 +348,7 @@ def test_loops_over_the_accumulator_per_step(backend):
         for line in comps[name]
         if " fusion(" in line and re.search(r"= f32\[1024,1024\]", line)
     ]
-    per_leaf = 1 if folds_in_branch(backend) else 2
-    assert len(loops) == per_leaf * len(params), loops
+    assert len(loops) == len(params), loops
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -373,9 +356,7 @@ def test_MultiSteps_update_with_donated_gradients(backend):
     """`jax.jit(opt.update, donate_argnums=(0, 1))`, gradients and state
     donated, no params (`benchmarks/run.py`): the zero updates of a
     mini-step and the window's updates go into the gradients' buffers, so
-    Adam's step needs no temporary memory. Where the branch folds
-    (XLA:CPU before jaxlib 0.11, XLA:GPU) the conditional reads the gradients and
-    its zero updates need a buffer of their own: 1.0x."""
+    Adam's step needs at most 2% of the params in temporary memory."""
     _skip_unless(backend)
     params = LAYOUTS["4 large"](jnp.float32)
     opt = optax_ext.MultiSteps(optax.adamw(1e-3), K)
@@ -383,7 +364,7 @@ def test_MultiSteps_update_with_donated_gradients(backend):
         backend, lambda g, s: opt.update(g, s, params), params, opt.init(params)
     )
     ratio = compiled.memory_analysis().temp_size_in_bytes / _bytes(params)
-    assert ratio <= (1.02 if folds_in_branch(backend, "drop-in") else 0.02), ratio
+    assert ratio <= 0.02, ratio
 
 
 def _plain_cond_step(tx):
