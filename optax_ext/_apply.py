@@ -110,9 +110,7 @@ def _check_emit(emit: Any, optimizer: Any, owner: Any) -> None:
             f"{type(emit).__name__}: it chooses which program to compile, so it "
             "cannot be traced."
         )
-    from ._multi_steps import MultiSteps  # it imports this module
-
-    if not isinstance(owner, MultiSteps):
+    if not getattr(owner, "takes_emit", False):
         raise TypeError(
             "optax_ext.apply_gradients: emit= chooses where an "
             "optax_ext.MultiSteps window ends, so the optimizer must be one "

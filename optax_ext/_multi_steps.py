@@ -157,6 +157,9 @@ class MultiSteps(Configured):
     ```
     """
 
+    # `apply_gradients(..., emit=)` chooses where its windows end.
+    takes_emit = True
+
     def __init__(
         self,
         opt: optax.GradientTransformation,

@@ -71,6 +71,52 @@ def folded(
     return jax.tree.map(one, grads, acc)
 
 
+def _inner_steps(
+    weights: Weights | None,
+    devices: SingleDeviceState,
+    as_gradients: Callable[[PyTree], PyTree],
+    inner: optax.GradientTransformationExtraArgs,
+    fusable_inner: Any,
+    params: PyTree | None,
+    extra_args: dict[str, Any],
+) -> tuple[Callable, Callable]:
+    """The inner optimizer on the accumulator's window mean: `update(acc,
+    state)` returns the updates and the new state, `apply(acc, state,
+    arrays)` the new params' arrays and the new state. Per device and
+    weighted, the state is paired with whether the window's weights sum
+    to more than 0, and where they do not the updates are zeros and the
+    state (and the params) as they came in."""
+
+    def window_grads(acc):
+        if weights is None:
+            return as_gradients(devices.window_mean(acc)), None
+        mean_, keep = devices.window_weighted_mean(acc, weights.total)
+        return as_gradients(mean_), keep
+
+    def inner_update(acc, state):
+        mean_, keep = window_grads(acc)
+        if keep is None:
+            return inner.update(mean_, state, params, **extra_args)
+        state, _ = state
+        out, new = inner.update(mean_, state, params, **extra_args)
+        out = jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), out)
+        return out, (_keep_or(keep, new, state), keep)
+
+    def inner_apply(acc, state, arrays):
+        mean_, keep = window_grads(acc)
+        state = state if keep is None else state[0]
+        new_params, new = apply_gradients(
+            fusable_inner, mean_, state, merge_trainable(params, arrays), **extra_args
+        )
+        new_arrays = _arrays_at(new_params, arrays)
+        if keep is None:
+            return new_arrays, new
+        new_arrays = _keep_or(keep, new_arrays, arrays)
+        return new_arrays, (_keep_or(keep, new, state), keep)
+
+    return inner_update, inner_apply
+
+
 def drop_in_in_conditional(platform: str) -> bool:
     """Whether the drop-in `update` runs the inner optimizer in a
     conditional on `platform` (`"cpu"`, `"cuda"`, `"rocm"`, `"tpu"`), rather
@@ -137,33 +183,9 @@ def run_window(
         devices=devices,
     )
 
-    def window_grads(acc):
-        if weights is None:
-            return as_gradients(devices.window_mean(acc)), None
-        mean_, keep = devices.window_weighted_mean(acc, weights.total)
-        return as_gradients(mean_), keep
-
-    def inner_update(acc, state):
-        mean_, keep = window_grads(acc)
-        if keep is None:
-            return inner.update(mean_, state, params, **extra_args)
-        state, _ = state
-        out, new = inner.update(mean_, state, params, **extra_args)
-        out = jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), out)
-        return out, (_keep_or(keep, new, state), keep)
-
-    def inner_apply(acc, state, arrays):
-        mean_, keep = window_grads(acc)
-        state = state if keep is None else state[0]
-        new_params, new = apply_gradients(
-            fusable_inner, mean_, state, merge_trainable(params, arrays), **extra_args
-        )
-        new_arrays = _arrays_at(new_params, arrays)
-        if keep is None:
-            return new_arrays, new
-        new_arrays = _keep_or(keep, new_arrays, arrays)
-        return new_arrays, (_keep_or(keep, new, state), keep)
-
+    inner_update, inner_apply = _inner_steps(
+        weights, devices, as_gradients, inner, fusable_inner, params, extra_args
+    )
     state_in = (
         (inner_state, jnp.zeros((), jnp.bool_)) if decided_inside else inner_state
     )
