@@ -156,12 +156,12 @@ def run_window(
     accumulator and whether the inner optimizer ran.
 
     The inner optimizer runs in one `update_if`, but for the drop-in on
-    GPUs and TPUs and with `emit=True` (the host knows the window ends):
-    there it runs on every step and a traced reason not to (a window that
-    goes on, a skipped step, a window of weight 0) selects what came in,
-    as optax.MultiSteps does. On those backends a conditional that returns
-    the updates holds them in a buffer of their own (`docs/design.md`,
-    "The plain form"). `emit=False` only folds.
+    GPUs and TPUs (`drop_in_in_conditional`; not per device, where the
+    conditional holds the window's all-reduce) and with `emit=True` (the
+    host knows the window ends): there it runs on every step, and a
+    traced reason not to (a window that goes on, a skipped step, a window
+    of weight 0) selects what came in, as optax.MultiSteps does.
+    `emit=False` only folds.
 
     Weighted, whether the window's weights sum to more than 0 is known
     before the conditional on one device; per device only after the
@@ -217,7 +217,8 @@ def run_window(
     if emit is False:
         result = arrays if fused else jax.tree.map(jnp.zeros_like, params)
         state_out = state_in
-    elif emit or fused:
+    elif emit or fused or isinstance(devices, PerDeviceState):
+        # Per device the window's all-reduce stays in the conditional.
         result, state_out = selected() if emit else in_conditional()
     else:
         forms = {
