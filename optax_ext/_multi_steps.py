@@ -393,7 +393,12 @@ class MultiSteps(Configured):
         **Example:**
 
         ```python
-        state = opt.optax_state(state)  # then optax.MultiSteps(...).update
+        opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+        state = opt.init(jnp.zeros(3))
+        for g in (jnp.ones(3), jnp.ones(3)):  # a whole window
+            _, state = opt.update(g, state)
+        theirs = optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+        updates, _ = theirs.update(jnp.ones(3), opt.optax_state(state))
         ```
         """
         start = jnp.asarray(state.mini_step) == 0

@@ -5,6 +5,7 @@ expected failure where upstream fails the contract: the suite shows which
 contracts optax breaks and would notice if it stopped breaking them.
 """
 
+import equinox as eqx
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -455,6 +456,235 @@ def test_state_moves_between_optax_and_optax_ext(use_grad_mean, stop):
     if stop % 3 == 0:  # at a window's end optax_ext holds the window's mean
         unconverted = run(ours, theirs, lambda s: s)
         assert not np.array_equal(unconverted, want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_state_is_interchangeable_with_optax(dtype):
+    params = {"a": jnp.ones((3, 2), dtype), "b": jnp.ones(2, dtype)}
+    ours = optax_ext.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+    theirs = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)
+    s_ours, s_theirs = ours.init(params), theirs.init(params)
+    assert type(s_ours) is optax.MultiStepsState
+    assert jax.tree.structure(s_ours) == jax.tree.structure(s_theirs)
+    assert avals(s_ours) == avals(s_theirs)
+    rng = np.random.default_rng(0)
+    g1, g2 = (
+        jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), dtype), params)
+        for _ in range(2)
+    )
+    # A state written by optax continues under optax_ext, and the reverse:
+    # both keep optax's float32 running mean, so the updates are bit-equal
+    # (this compared at rtol 1e-2 with equal gradients, which hid any
+    # difference in the mean).
+    # Both jitted: bit for bit in bfloat16 holds between like forms on
+    # XLA:CPU; elsewhere within the bound of one adam step on the mean (about
+    # 20 roundings, with room), the two programs being compiled apart.
+    ours_update, theirs_update = jax.jit(ours.update), jax.jit(theirs.update)
+    _, s1 = theirs_update(g1, s_theirs, params)
+    u_ours, _ = ours_update(g2, s1, params)
+    _, s2 = ours_update(g1, s_ours, params)
+    u_theirs, _ = theirs_update(g2, s2, params)
+    for a, b in zip(jax.tree.leaves(u_ours), jax.tree.leaves(u_theirs), strict=True):
+        assert a.dtype == b.dtype == dtype
+        if dtype == jnp.float32:
+            np.testing.assert_array_equal(to_np(a), to_np(b))
+    if dtype != jnp.float32:
+        assert_close_across_programs(u_ours, u_theirs, ops=32)
+    assert ours.inner_opt.init is not None
+    tx = ours.gradient_transformation()
+    assert isinstance(tx, optax.GradientTransformation)
+    assert avals(tx.init(params)) == avals(s_ours)
+
+
+# --- Equinox ----------------------------------------------------------------
+
+
+def _mlp():
+    return eqx.nn.MLP(3, 2, 8, 2, activation=jax.nn.relu, key=jax.random.key(0))
+
+
+def _loss(model, x):
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+@pytest.mark.parametrize(
+    "impl", [OURS, upstream("non-array leaves (equinox #590)", raises=TypeError)]
+)
+def test_whole_equinox_model_as_params(impl):
+    model = _mlp()
+    xs = jax.random.normal(jax.random.key(1), (4, 5, 3))
+    opt = impl(optax.adam(1e-2), every_k_schedule=2)
+    state = opt.init(model)
+    ref = optax.adam(1e-2)
+    arrays = eqx.filter(model, eqx.is_array)
+    ref_state = ref.init(arrays)
+    update = eqx.filter_jit(opt.update)
+    for i in range(4):
+        grads = eqx.filter_grad(_loss)(model, xs[i])
+        assert any(
+            g is None for g in jax.tree.leaves(grads, is_leaf=lambda x: x is None)
+        )
+        updates, state = update(grads, state, model)
+        if i % 2 == 1:
+            prev = eqx.filter_grad(_loss)(model, xs[i - 1])
+            mean = jax.tree.map(lambda a, b: (a + b) / 2, prev, grads)
+            want, ref_state = ref.update(mean, ref_state, arrays)
+            for a, b in zip(
+                jax.tree.leaves(updates), jax.tree.leaves(want), strict=True
+            ):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        else:
+            assert_exact_zeros(updates)
+        model = eqx.apply_updates(model, updates)
+
+
+def test_train_step_compiles_once():
+    model = _mlp()
+    opt = optax_ext.MultiSteps(
+        optax.chain(optax_ext.zero_nans(), optax.adamw(1e-2)), every_k_schedule=3
+    )
+    state = opt.init(model)
+    traces = []
+
+    @eqx.filter_jit
+    def step(model, state, x):
+        traces.append(None)
+        grads = eqx.filter_grad(_loss)(model, x)
+        updates, state = opt.update(grads, state, model)
+        return eqx.apply_updates(model, updates), state
+
+    x = jax.random.normal(jax.random.key(2), (5, 3))
+    before = _loss(model, x)
+    for i in range(30):
+        xi = x.at[0, 0].set(nan) if i == 7 else x
+        model, state = step(model, state, xi)
+    assert len(traces) == 1
+    assert _loss(model, x) < before
+    assert all(
+        jnp.isfinite(p).all() for p in jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    )
+
+
+# --- errors ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, "3", False, None, [2]])
+def test_every_k_schedule_is_validated(bad):
+    with pytest.raises((TypeError, ValueError), match="every_k_schedule"):
+        optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=bad)
+
+
+def _never(step):
+    return step < 0  # traced False under jit: never emits, as in optax
+
+
+@pytest.mark.parametrize(
+    "every_k",
+    [
+        True,
+        lambda step: True,
+        lambda step: np.bool_(True),
+        lambda step: step >= 0,
+        _never,
+    ],
+    ids=["True", "returns-True", "returns-np.True_", "step>=0", "step<0"],
+)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_bool_every_k_schedule_as_optax(every_k, jit):
+    """Issue 26: a bool `every_k_schedule` (or a schedule returning one) was
+    refused; optax takes it as the int it is (`True` is 1)."""
+    grads = [jnp.asarray([0.5, -1.0]), jnp.asarray([2.0, 0.25]), jnp.ones(2)]
+
+    def trajectory(opt):
+        update = jax.jit(opt.update) if jit else opt.update
+        params, state, out = jnp.zeros(2), opt.init(jnp.zeros(2)), []
+        for g in grads:
+            updates, state = update(g, state, params)
+            params = optax.apply_updates(params, updates)
+            out.append(np.asarray(params))
+        return np.stack(out)
+
+    expected = trajectory(optax.MultiSteps(optax.sgd(0.5), every_k))
+    opt = optax_ext.MultiSteps(optax.sgd(0.5), every_k)
+    if every_k is _never and not jit:
+        # Known while tracing, False is refused as 0 is (optax never emits).
+        with pytest.raises(ValueError, match="every_k_schedule returned False"):
+            trajectory(opt)
+        return
+    np.testing.assert_array_equal(trajectory(opt), expected)
+
+
+def test_numpy_int_every_k_is_accepted():
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=np.int64(2))
+    state = opt.init(jnp.zeros(1))
+    _, state = opt.update(jnp.ones(1), state)
+    _, state = opt.update(jnp.ones(1), state)
+    assert bool(opt.has_updated(state))
+
+
+def test_inner_must_be_a_gradient_transformation():
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        optax_ext.MultiSteps(optax.adam, every_k_schedule=2)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda u, s, p: (jnp.array(0), ()),
+        lambda u, s, p: (jnp.zeros(2, bool), ()),
+        lambda u, s, p: (jnp.float32(0.0), ()),
+        lambda u, s, p: jnp.array(False),
+    ],
+    ids=["int", "vector", "float", "not-a-pair"],
+)
+def test_should_skip_must_return_scalar_bool(fn):
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=fn)
+    with pytest.raises(TypeError, match="should_skip_update_fn"):
+        jax.jit(opt.init)(jnp.zeros(2))
+
+
+def test_mismatched_grads_name_the_path():
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+    params = {"layer": {"w": jnp.zeros(2), "b": jnp.zeros(1)}}
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"\['layer'\]\['b'\]"):
+        jax.jit(opt.update)({"layer": {"w": jnp.zeros(2)}}, state)
+    with pytest.raises(ValueError, match=r"\['layer'\]\['w'\]"):
+        opt.update({"layer": {"w": None, "b": jnp.zeros(1)}}, state)
+    with pytest.raises(ValueError, match=r"\['extra'\]"):
+        opt.update({"layer": params["layer"], "extra": jnp.zeros(1)}, state)
+
+
+def test_vmap_over_independent_windows():
+    """Batched states (the `cond` becomes a select) give, member by member,
+    what unbatched runs give, NaN isolation included."""
+    opt = optax_ext.MultiSteps(
+        optax.chain(optax_ext.zero_nans(), optax.adam(0.1)), every_k_schedule=3
+    )
+    params = jnp.zeros(2)
+    grads = jnp.array(
+        [[[1.0, 2.0], [nan, 1.0], [3.0, 3.0], [1.0, 1.0]],
+         [[inf, 0.5], [2.0, 2.0], [0.5, 1.0], [2.0, 1.0]]]
+    )  # fmt: skip
+    # Member 1 starts one mini-step into its window.
+    states = [opt.init(params), opt.update(grads[1, 0], opt.init(params), params)[1]]
+    batched = jax.tree.map(lambda a, b: jnp.stack([a, b]), *states)
+    step = jax.jit(jax.vmap(opt.update, in_axes=(0, 0, None)))
+    one = jax.jit(opt.update)  # jitted as `step` is: compared bit for bit
+    for t in range(1, 4):
+        got, batched = step(grads[:, t], batched, params)
+        for m in range(2):
+            want, states[m] = one(grads[m, t], states[m], params)
+            np.testing.assert_array_equal(to_np(got[m]), to_np(want))
+    assert avals(jax.tree.map(lambda x: x[0], batched)) == avals(states[0])
+
+
+def test_wrong_gradient_shapes_name_the_path():
+    opt = optax_ext.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
+    state = opt.init({"w": jnp.zeros(3)})
+    for bad in [jnp.zeros(()), jnp.zeros((4, 3)), jnp.zeros(2)]:
+        with pytest.raises(ValueError, match=r"\['w'\].*shape"):
+            jax.jit(opt.update)({"w": bad}, state)
 
 
 @pytest.mark.parametrize(
