@@ -65,8 +65,13 @@ def deviceless(session: nox.Session) -> None:
     session.run(
         "pytest", "-n", "2", "--dist", "loadgroup",
         "-k", "gpu or tpu or lion or clip or MultiSteps or accumulator",
-        "tests/test_compiled_backends.py", *session.posargs,
-        env={"JAX_PLATFORMS": "cpu", "OPTAX_EXT_DEVICELESS": "here"},
+        "tests/test_compiled_backends.py", "tests/test_train_step_memory.py",
+        *session.posargs,
+        env={
+            "JAX_PLATFORMS": "cpu",
+            "OPTAX_EXT_DEVICELESS": "here",
+            "OPTAX_EXT_FULL_MATRIX": "1",
+        },
     )  # fmt: skip
 
 

@@ -55,7 +55,11 @@ def test_gpu_and_tpu_compile_checks_pass():
     ]
     summary = child_pytest(
         python,
-        [*args, str(TESTS / "test_compiled_backends.py")],
+        [
+            *args,
+            str(TESTS / "test_compiled_backends.py"),
+            str(TESTS / "test_train_step_memory.py"),
+        ],
         env,
         "GPU and TPU compile checks",
     )
