@@ -6,7 +6,7 @@ state (and, fused, the params) pass through the other branch untouched, or
 it returns zeros of the updates' types. The running branch opens with an
 optimization barrier so that no backend turns the conditional into
 selects, and nothing computed before the conditional is routed through it
-(`docs/design.md`, "One conditional on every backend").
+(`docs/design.md`, "The plain form").
 """
 
 from __future__ import annotations
@@ -75,10 +75,9 @@ def update_if(
 
     With `counter`, a pair `(ran, kept)` of int32 scalars, the third output
     is `ran` where the inner update ran and `kept` elsewhere, computed in
-    the branches: whatever the caller derives from it (a `MultiSteps`
-    window's next `mini_step`, the accumulator's reset) comes after the
-    conditional has read its operands, so XLA may write it in their
-    buffers. `None` otherwise.
+    the branches (out of the running branch's barrier): a caller that
+    reads it (whether a `MultiSteps` window emitted) keeps the barrier,
+    and so the conditional, alive in XLA. `None` otherwise.
     """
     carried = carry is not None
     returns_count = counter is not None
@@ -196,23 +195,6 @@ def read_token(tree: PyTree) -> jax.Array | None:
     v = lax.concatenate([lax.reshape(b, (1,)) for b in bits], 0)
     ones = lax.ne(lax.bitwise_or(v, lax.full_like(v, 1)), lax.full_like(v, 0))
     return lax.optimization_barrier(lax.reduce_and(ones, (0,)))
-
-
-def order_after(flag: jax.Array, tree: PyTree) -> tuple[jax.Array, PyTree]:
-    """`flag` and `tree` as they are, with `flag` computed after every
-    array of `tree`: a write selected by it (the accumulator's reset) comes
-    after every read that went into `tree`. On XLA:CPU `flag` is and-ed
-    with a `read_token` of `tree` (XLA:CPU before jaxlib 0.11 drops a
-    barrier whose other operand is a constant); elsewhere both go through
-    one barrier (a token there made XLA:TPU keep temporaries)."""
-
-    def cpu(flag, tree):
-        token = read_token(tree)
-        return (flag if token is None else jnp.logical_and(flag, token)), tree
-
-    return lax.platform_dependent(
-        flag, tree, cpu=cpu, default=lambda f, t: lax.optimization_barrier((f, t))
-    )
 
 
 def old_value_read_first(

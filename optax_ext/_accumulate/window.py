@@ -194,14 +194,17 @@ def run_window(
     arrays = _arrays_at(params, params) if fused else None
 
     def in_conditional():
-        result, state_out, _ = update_if(
+        # Whether it ran, as the branches say: a value read after the
+        # conditional keeps its barrier (and so the conditional) alive.
+        result, state_out, ran = update_if(
             pred,
             inner_apply if fused else inner_update,
             (acc,),
             state_in,
             carry=arrays,
+            counter=(jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)),
         )
-        return result, state_out
+        return result, state_out, ran == 1
 
     def selected():
         if fused:
@@ -212,21 +215,22 @@ def run_window(
             result = jax.tree.map(
                 lambda u: jnp.where(pred, u, 0).astype(u.dtype), result
             )
-        return result, _keep_or(pred, conform_state(state_out, state_in), state_in)
+        state_out = _keep_or(pred, conform_state(state_out, state_in), state_in)
+        return result, state_out, pred
 
     if emit is False:
         result = arrays if fused else jax.tree.map(jnp.zeros_like, params)
-        state_out = state_in
+        state_out, ran = state_in, pred
     elif emit or fused or isinstance(devices, PerDeviceState):
         # Per device the window's all-reduce stays in the conditional.
-        result, state_out = selected() if emit else in_conditional()
+        result, state_out, ran = selected() if emit else in_conditional()
     else:
         forms = {
             p: in_conditional if drop_in_in_conditional(p) else selected
             for p in ("cpu", "cuda", "rocm", "tpu")
         }
-        result, state_out = lax.platform_dependent(**forms, default=selected)
+        result, state_out, ran = lax.platform_dependent(**forms, default=selected)
     if fused:
         result = merge_trainable(params, result)
-    inner_state, emitted = state_out if decided_inside else (state_out, pred)
+    inner_state, emitted = state_out if decided_inside else (state_out, ran)
     return result, inner_state, acc, emitted
