@@ -57,30 +57,12 @@ LAYOUTS = {
 }
 
 
-def _counter_outside(update_if):
-    def patched(pred, inner_update, operands, inner_state, *, carry=None, counter=None):
-        result, state, _ = update_if(
-            pred, inner_update, operands, inner_state, carry=carry, counter=None
-        )
-        count = None
-        if counter is not None:
-            count = jnp.where(pred, counter[0], counter[1])
-        return result, state, count
-
-    return patched
-
-
 # variant: (what it switches off, the patches: (object, attribute, new value))
 VARIANTS = {
     "all": ("every mechanism on", ()),
     "no barrier": (
         "the optimization barrier on the running branch's scalars",
         ((branch, "_scalar_barrier", lambda tree, ran: (tree, ran)),),
-    ),
-    "no counter": (
-        "the next mini_step out of the conditional (the accumulator's write "
-        "after its reads)",
-        ((window, "update_if", _counter_outside(branch.update_if)),),
     ),
     "no distinct zeros": (
         "zeros of their own for each large leaf (drop-in)",
@@ -90,11 +72,10 @@ VARIANTS = {
         "on XLA:CPU, a state leaf whose old value the updates read after them",
         ((branch, "_state_after_updates", lambda leaves, n, to_order: leaves),),
     ),
-    "branch folds": (
-        "the fold before the conditional (XLA:CPU, XLA:TPU): the running "
-        "branch folds the gradients itself, as on XLA:GPU and XLA:CPU "
-        "before jaxlib 0.11",
-        ((window, "folds_in_branch", lambda: True),),
+    "drop-in in a conditional": (
+        "on GPUs and TPUs, the inner optimizer on every mini-step of the "
+        "drop-in, its results selected: a conditional instead, as XLA:CPU's",
+        ((window, "drop_in_in_conditional", lambda platform: True),),
     ),
 }
 _ORIGINAL_DISTINCT_ZEROS = branch.distinct_zeros
