@@ -42,17 +42,28 @@ def _installed(name: str) -> str | None:
         return None
 
 
+# How to get the environment these compiles need, and run them there.
+HOW_TO_RUN = (
+    "build it with `python3.12 -m venv .venv-deviceless && "
+    ".venv-deviceless/bin/pip install -r tests/data/deviceless-requirements.txt "
+    "-e .`, then run `.venv-deviceless/bin/python -m pytest "
+    "tests/test_compiled_backends.py tests/test_train_step_memory.py`"
+)
+
+
 def unavailable(backend: str) -> str | None:
-    """Why `backend` cannot be compiled for here, or `None`."""
+    """Why `backend` cannot be compiled for here, and how to run it where
+    it can; `None` if it can."""
     if backend == "cpu":
         return None
     if jax.__version__ != PINNED_JAX:
         return (
-            f"deviceless compiles are pinned to jax {PINNED_JAX}, not {jax.__version__}"
+            f"deviceless compiles are pinned to jax {PINNED_JAX}, not "
+            f"{jax.__version__}: {HOW_TO_RUN}"
         )
     package = "jax-cuda13-plugin" if backend == "gpu" else "libtpu"
     if _installed(package) is None:
-        return f"{package} is not installed"
+        return f"{package} is not installed: {HOW_TO_RUN}"
     return None
 
 

@@ -59,6 +59,7 @@ def test_gpu_and_tpu_compile_checks_pass():
             *args,
             str(TESTS / "test_compiled_backends.py"),
             str(TESTS / "test_train_step_memory.py"),
+            str(TESTS / "test_check_your_step_doc.py"),
         ],
         env,
         "GPU and TPU compile checks",

@@ -32,6 +32,9 @@ PAGES = ["README.md"] + sorted(
 MULTIDEVICE_PAGES = {"docs/data_parallel.md"}
 # Pages whose code calls jax.lax.pcast (jax.lax.pvary before jax 0.9).
 PCAST_PAGES = {"docs/data_parallel.md"}
+# Pages whose code compiles for a GPU and a TPU deviceless: run by their own
+# test in that environment (test_deviceless_runner.py runs it there).
+DEVICELESS_PAGES = {"docs/check_your_step.md": "test_check_your_step_doc.py"}
 PARSERS = [PythonCodeBlockParser(), SkipParser()]
 SKIP_DIRECTIVE = re.compile(r"<!--\s*skip:\s*(\w+)(.*?)-->")
 
@@ -46,6 +49,16 @@ def _page_params():
                 # the page writes the current JAX API (jax.lax.pcast)
                 [pytest.mark.skip(reason="jax < 0.9 has no jax.lax.pcast")]
                 if page in PCAST_PAGES and not hasattr(jax.lax, "pcast")
+                else []
+            )
+            + (
+                [
+                    pytest.mark.skip(
+                        reason=f"compiles for a GPU and a TPU: run by "
+                        f"tests/{DEVICELESS_PAGES[page]} in .venv-deviceless"
+                    )
+                ]
+                if page in DEVICELESS_PAGES
                 else []
             ),
         )
@@ -243,12 +256,12 @@ def test_sync_docs_finds_and_refreshes_a_stale_include(tmp_path):
 
 
 def test_readme_performance_figures_come_from_the_results_files():
-    """The README's performance summary is written by hand (short, terms
-    defined); every figure in it must still appear in a file of
-    benchmarks/results/, so a new benchmark run that changes one fails here
-    until the README is updated."""
+    """The README's table of forms ("Which form to use") is written by
+    hand (short, terms defined); every figure in it must still appear in a
+    file of benchmarks/results/, so a new benchmark run that changes one
+    fails here until the README is updated."""
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Performance\n", 1)[1].split("\n## ", 1)[0]
+    section = readme.split("\n## Which form to use\n", 1)[1].split("\n## ", 1)[0]
     results = "\n".join(
         p.read_text() for p in sorted((ROOT / "benchmarks" / "results").glob("*.md"))
     )
@@ -263,6 +276,98 @@ def test_readme_performance_figures_come_from_the_results_files():
     assert missing == [], (
         f"README's performance figures not in benchmarks/results/*.md: {missing}"
     )
+
+
+# --- sentences a reader can take in ---------------------------------------
+
+# The pages held to the aim of issue 40: sentences averaging under 18 words,
+# none over 40 (Optax's README averages about 13, Equinox's about 9).
+SHORT_PAGES = ["README.md", "docs/check_your_step.md"]
+# A sentence ends at `.`, `:` or `;` before what can start one (not `e.g.
+# x`, a decimal or `XLA:CPU`), and at a list item.
+SENTENCE_END = re.compile(r"(?<=[.:;])\s+(?=[A-Z`*\[(\"])")
+LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.)\s+(.*)$")
+
+
+def prose_sentences(text: str) -> list[list[str]]:
+    """The page's sentences as lists of words, prose only: code blocks,
+    indented blocks, tables, headings, HTML comments and the text included
+    from benchmarks/results/ (the benchmarks write it) are left out. A word
+    is a whitespace-separated token with a letter or digit in it."""
+    text = _sync_docs().INCLUDE.sub("", text)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.DOTALL)
+    paragraphs: list[list[str]] = [[]]
+    fenced = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fenced = not fenced
+            paragraphs.append([])
+        elif fenced or not stripped or stripped[0] in "#|" or line.startswith("    "):
+            paragraphs.append([])
+        elif item := LIST_ITEM.match(line):
+            paragraphs.append([item.group(1)])
+        else:
+            paragraphs[-1].append(stripped)
+    sentences = []
+    for paragraph in paragraphs:
+        for sentence in SENTENCE_END.split(" ".join(paragraph)):
+            words = [w for w in sentence.split() if re.search(r"\w", w)]
+            if words:
+                sentences.append(words)
+    return sentences
+
+
+def sentence_figures(page: str) -> tuple[int, float, int, int]:
+    """(sentences, average words, sentences over 40 words, longest)."""
+    lengths = [len(s) for s in prose_sentences((ROOT / page).read_text())]
+    return (
+        len(lengths),
+        sum(lengths) / len(lengths),
+        sum(n > 40 for n in lengths),
+        max(lengths),
+    )
+
+
+def test_sentence_counter_splits_as_a_reader_does():
+    text = (
+        "# A heading is left out\n\nOne sentence ends here. `code` starts "
+        "the next: XLA:CPU, 0.264x and e.g. this do not end it; Another one.\n"
+        "\n| a table | is left out. |\n\n```python\nx = 1. Not prose.\n```\n"
+        "\n- a list item\n  goes on\n- another\n<!-- a comment. -->\n"
+        "<!-- results: x.md -->\nWritten by a benchmark.\n<!-- /results -->\n"
+    )
+    assert [" ".join(s) for s in prose_sentences(text)] == [
+        "One sentence ends here.",
+        "`code` starts the next:",
+        "XLA:CPU, 0.264x and e.g. this do not end it;",
+        "Another one.",
+        "a list item goes on",
+        "another",
+    ]
+
+
+@pytest.mark.parametrize("page", SHORT_PAGES)
+def test_page_sentences_average_under_18_words_none_over_40(page):
+    """`python tests/test_docs.py` prints the figures of every page."""
+    count, average, long, longest = sentence_figures(page)
+    over = [
+        " ".join(s)
+        for s in prose_sentences((ROOT / page).read_text())
+        if len(s) > 40
+    ]
+    assert average < 18 and not over, (
+        f"{page}: {count} sentences, {average:.1f} words on average, "
+        f"{long} over 40 (longest {longest}): {over}"
+    )
+
+
+def test_readme_prose_names_no_test():
+    """Test names belong in the tables and the docs, not in the README's
+    sentences."""
+    prose = [" ".join(s) for s in prose_sentences((ROOT / "README.md").read_text())]
+    named = [s for s in prose if re.search(r"\btest_\w+", s)]
+    assert named == []
 
 
 # --- the API page and the list of pages ---------------------------------------
@@ -440,4 +545,13 @@ def test_readme_and_site_nav_list_every_docs_page():
         assert f"(docs/{page.name})" in readme, f"README does not link {page.name}"
         assert re.search(rf":\s*{re.escape(page.name)}\s*$", nav, re.MULTILINE), (
             f"mkdocs.yml nav lacks {page.name}"
+        )
+
+
+if __name__ == "__main__":
+    for page in PAGES:
+        count, average, long, longest = sentence_figures(page)
+        print(
+            f"{page}: {count} sentences, {average:.1f} words on average, "
+            f"{long} over 40, longest {longest}"
         )
