@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from functools import partial
 from importlib.metadata import version
 from typing import Any
 
@@ -117,6 +118,38 @@ def _inner_steps(
     return inner_update, inner_apply
 
 
+def _in_conditional(
+    pred: jax.Array, step: Callable, acc: PyTree, state: PyTree, carry: PyTree
+) -> tuple[PyTree, PyTree, jax.Array]:
+    """`step` in `update_if`, and whether it ran as the branches say: a
+    value read after the conditional keeps its barrier, and so the
+    conditional, alive in XLA."""
+    result, state_out, ran = update_if(
+        pred,
+        step,
+        (acc,),
+        state,
+        carry=carry,
+        counter=(jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)),
+    )
+    return result, state_out, ran == 1
+
+
+def _selected(
+    pred: jax.Array, step: Callable, acc: PyTree, state: PyTree, carry: PyTree
+) -> tuple[PyTree, PyTree, jax.Array]:
+    """`step` run unconditionally, its results where `pred`, zero updates
+    (or the carry) and `state` as they came in elsewhere."""
+    if carry is not None:
+        result, state_out = step(acc, state, carry)
+        result = _keep_or(pred, result, carry)
+    else:
+        result, state_out = step(acc, state)
+        result = jax.tree.map(lambda u: jnp.where(pred, u, 0).astype(u.dtype), result)
+    state_out = _keep_or(pred, conform_state(state_out, state), state)
+    return result, state_out, pred
+
+
 def drop_in_in_conditional(platform: str) -> bool:
     """Whether the drop-in `update` runs the inner optimizer in a
     conditional on `platform` (`"cpu"`, `"cuda"`, `"rocm"`, `"tpu"`), rather
@@ -193,43 +226,25 @@ def run_window(
     # Equinox model's Python numbers and functions) stay outside.
     arrays = _arrays_at(params, params) if fused else None
 
-    def in_conditional():
-        # Whether it ran, as the branches say: a value read after the
-        # conditional keeps its barrier (and so the conditional) alive.
-        result, state_out, ran = update_if(
-            pred,
-            inner_apply if fused else inner_update,
-            (acc,),
-            state_in,
-            carry=arrays,
-            counter=(jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)),
-        )
-        return result, state_out, ran == 1
-
-    def selected():
-        if fused:
-            result, state_out = inner_apply(acc, state_in, arrays)
-            result = _keep_or(pred, result, arrays)
-        else:
-            result, state_out = inner_update(acc, state_in)
-            result = jax.tree.map(
-                lambda u: jnp.where(pred, u, 0).astype(u.dtype), result
-            )
-        state_out = _keep_or(pred, conform_state(state_out, state_in), state_in)
-        return result, state_out, pred
-
+    args = (pred, inner_apply if fused else inner_update, acc, state_in, arrays)
     if emit is False:
         result = arrays if fused else jax.tree.map(jnp.zeros_like, params)
         state_out, ran = state_in, pred
-    elif emit or fused or isinstance(devices, PerDeviceState):
+    elif emit:
+        result, state_out, ran = _selected(*args)
+    elif fused or isinstance(devices, PerDeviceState):
         # Per device the window's all-reduce stays in the conditional.
-        result, state_out, ran = selected() if emit else in_conditional()
+        result, state_out, ran = _in_conditional(*args)
     else:
         forms = {
-            p: in_conditional if drop_in_in_conditional(p) else selected
+            p: partial(
+                _in_conditional if drop_in_in_conditional(p) else _selected, *args
+            )
             for p in ("cpu", "cuda", "rocm", "tpu")
         }
-        result, state_out, ran = lax.platform_dependent(**forms, default=selected)
+        result, state_out, ran = lax.platform_dependent(
+            **forms, default=partial(_selected, *args)
+        )
     if fused:
         result = merge_trainable(params, result)
     inner_state, emitted = state_out if decided_inside else (state_out, ran)
