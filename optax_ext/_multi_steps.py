@@ -49,6 +49,7 @@ from ._tree import (
 )
 from ._weighted import (
     WeightedMultiStepsState,
+    Weights,
     check_weighted,
     window_weights,
 )
@@ -318,20 +319,7 @@ class MultiSteps(Configured):
         grads, params = step.grads, step.params
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
-
-        skip_fn = self._should_skip_update_fn
-        should_skip, skip_state = skip_decision(
-            skip_fn, grads, gradient_step, params, step.weight
-        )
-        if skip_fn is not None:
-            should_skip = self._devices.agree(should_skip)
-        weights = None
-        if self._weighted:
-            # `check_step` saw its float `acc_weight`.
-            acc_weight = cast(WeightedMultiStepsState, state).acc_weight
-            weights = window_weights(acc_weight, step.weight, mini_step)
-        ends = _window_complete(mini_step, step.k) if emit is None else emit
-        window_end = jnp.logical_and(jnp.logical_not(should_skip), ends)
+        should_skip, skip_state, weights, window_end = self._decide(step, state, emit)
         grad_dtypes = jax.tree.map(lambda g: jnp.result_type(g), grads)
         result, inner_state, acc, emitted = run_window(
             window_end,
@@ -377,6 +365,35 @@ class MultiSteps(Configured):
         return result, WeightedMultiStepsState(
             **fields, acc_weight=self._devices.add_axis(acc_weight)
         )
+
+    def _decide(
+        self,
+        step: Any,
+        state: optax.MultiStepsState | WeightedMultiStepsState,
+        emit: bool | None,
+    ) -> tuple[jax.Array, PyTree, Weights | None, jax.Array]:
+        """Whether this mini-step is skipped (and the skip function's
+        state), the window's weights (weighted) and whether the mini-step
+        ends its window: at `k` accepted mini-steps, or as `emit` says."""
+        mini_step = jnp.asarray(state.mini_step)
+        skip_fn = self._should_skip_update_fn
+        should_skip, skip_state = skip_decision(
+            skip_fn,
+            step.grads,
+            jnp.asarray(state.gradient_step),
+            step.params,
+            step.weight,
+        )
+        if skip_fn is not None:
+            should_skip = self._devices.agree(should_skip)
+        weights = None
+        if self._weighted:
+            # `check_step` saw its float `acc_weight`.
+            acc_weight = cast(WeightedMultiStepsState, state).acc_weight
+            weights = window_weights(acc_weight, step.weight, mini_step)
+        ends = _window_complete(mini_step, step.k) if emit is None else emit
+        window_end = jnp.logical_and(jnp.logical_not(should_skip), ends)
+        return should_skip, skip_state, weights, window_end
 
     def optax_state(
         self, state: optax.MultiStepsState | WeightedMultiStepsState
