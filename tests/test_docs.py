@@ -255,6 +255,22 @@ def test_sync_docs_finds_and_refreshes_a_stale_include(tmp_path):
         )
 
 
+def _figures_not_in_results(section: str) -> list[str]:
+    """The figures of a hand-written section that no file of
+    benchmarks/results/ holds. A figure may carry a unit "x" (a ratio):
+    "1.975x" is looked up as "1.975"."""
+    results = "\n".join(
+        p.read_text() for p in sorted((ROOT / "benchmarks" / "results").glob("*.md"))
+    )
+    figures = re.findall(r"(?<![\w.])(\d+\.\d+)x?(?!\w|\.\d)", section)
+    assert len(figures) >= 10, figures
+    return [
+        f
+        for f in figures
+        if not re.search(rf"(?<![\w.]){re.escape(f)}x?(?!\w|\.\d)", results)
+    ]
+
+
 def test_readme_performance_figures_come_from_the_results_files():
     """The README's table of forms ("Which form to use") is written by
     hand (short, terms defined); every figure in it must still appear in a
@@ -262,19 +278,22 @@ def test_readme_performance_figures_come_from_the_results_files():
     fails here until the README is updated."""
     readme = (ROOT / "README.md").read_text()
     section = readme.split("\n## Which form to use\n", 1)[1].split("\n## ", 1)[0]
-    results = "\n".join(
-        p.read_text() for p in sorted((ROOT / "benchmarks" / "results").glob("*.md"))
-    )
-    # A figure may carry a unit "x" (a ratio): "1.975x" is looked up as "1.975".
-    figures = re.findall(r"(?<![\w.])(\d+\.\d+)x?(?!\w|\.\d)", section)
-    assert len(figures) >= 10, figures
-    missing = [
-        f
-        for f in figures
-        if not re.search(rf"(?<![\w.]){re.escape(f)}x?(?!\w|\.\d)", results)
-    ]
+    missing = _figures_not_in_results(section)
     assert missing == [], (
         f"README's performance figures not in benchmarks/results/*.md: {missing}"
+    )
+
+
+def test_whole_step_figures_of_the_performance_page_come_from_the_results():
+    """The same for docs/performance.md's per-backend tables of the whole
+    train step (its open cases give the figures the tests measure)."""
+    page = (ROOT / "docs" / "performance.md").read_text()
+    section = page.split("\n## The whole train step against optax.MultiSteps\n")[1]
+    section = section.split("\n### Open cases\n", 1)[0]
+    missing = _figures_not_in_results(section)
+    assert missing == [], (
+        f"docs/performance.md's whole-step figures not in benchmarks/results/: "
+        f"{missing}"
     )
 
 
