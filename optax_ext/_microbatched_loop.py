@@ -278,6 +278,78 @@ def _loop_bound(value: Any, k: int) -> Any:
     return jnp.clip(jnp.asarray(value).astype(jnp.int32), 0, k)
 
 
+def _rows(args: tuple, argnums: tuple, k: int) -> int:
+    """This device's rows of the batch (argument `argnums[0]`); a
+    `ValueError` unless they split into `k` micro-batches."""
+    size = jnp.shape(jax.tree.leaves(args[argnums[0]])[0])[0]
+    if size % k:
+        raise ValueError(
+            f"each device holds {size} rows of the batch (argument "
+            f"{argnums[0]}), which do not split into num_microbatches={k} "
+            f"equal micro-batches; the batch size must be a multiple of {k} "
+            "times the number of devices it is sharded over."
+        )
+    return size
+
+
+def _initial_carry(
+    structs: list,
+    acc_dtypes: list,
+    kinds: list,
+    k: int,
+    weights_dtype: Any,
+    axis_name: Hashable | None,
+    weighted: bool,
+) -> tuple[list, jax.Array, jax.Array]:
+    """The loop's first carry: a zero accumulator per output, the running
+    weight and the micro-batches' weights (varying over `axis_name`)."""
+    init = []
+    for s, dtype, kind in zip(structs, acc_dtypes, kinds, strict=True):
+        if kind in ("concat", GRADIENT):
+            zero = _rows_accumulator(s, k, dtype)
+        else:
+            # With the output's sharding where its type has one (params
+            # sharded over `Explicit` axes): a sharded accumulator.
+            zero = zeros_like_struct(s, dtype)
+        init.append(zero if axis_name is None else pcast_varying(zero, axis_name))
+    weight_sum = jnp.zeros((), weights_dtype)
+    weights = jnp.zeros((k,), weights_dtype)
+    if axis_name is not None and weighted:
+        weight_sum, weights = pcast_varying((weight_sum, weights), axis_name)
+    return init, weight_sum, weights
+
+
+def _micro_batch(
+    j: jax.Array,
+    args: tuple,
+    kwargs: dict,
+    split: dict,
+    keys: jax.Array | None,
+    settings: LoopSettings,
+    axis_name: Hashable | None,
+    regather: bool,
+) -> tuple[list, dict[str, Any]]:
+    """The arguments of micro-batch `j`: its rows of each batch argument
+    (`split`: split on a second axis), its own key, and (`regather`) the
+    rest through `_params_barrier`."""
+    argnums, key_argnum = settings.batch_argnums, settings.key_argnum
+    call_args, call_kwargs = list(args), kwargs
+    if regather:
+        call_args, call_kwargs = _params_barrier(j, (call_args, kwargs), argnums)
+    for i in argnums:
+        call_args[i] = jax.tree.map(
+            lambda x: lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False),
+            split[i],
+        )
+    if keys is not None and key_argnum is not None:
+        key = lax.dynamic_index_in_dim(keys, j, keepdims=False)
+        if axis_name is not None:
+            # Each device's rows get their own dropout masks.
+            key = jax.random.fold_in(key, lax.axis_index(axis_name))
+        call_args[key_argnum] = key
+    return call_args, call_kwargs
+
+
 def accumulate(
     settings: LoopSettings,
     axis_name: Hashable | None,
@@ -294,35 +366,14 @@ def accumulate(
     key_argnum = settings.key_argnum
     if axis_name is not None:
         args, kwargs = pcast_varying((args, kwargs), axis_name)
-    size = jnp.shape(jax.tree.leaves(args[argnums[0]])[0])[0]
-    if size % k:
-        raise ValueError(
-            f"each device holds {size} rows of the batch (argument "
-            f"{argnums[0]}), which do not split into num_microbatches={k} "
-            f"equal micro-batches; the batch size must be a multiple of {k} "
-            "times the number of devices it is sharded over."
-        )
+    size = _rows(args, argnums, k)
     # Rows (a * k + j) form micro-batch j: a device's rows stay its own in
     # every micro-batch.
     split = {i: jax.tree.map(lambda x: split_leading(x, k), args[i]) for i in argnums}
     keys = None if key_argnum is None else jax.random.split(args[key_argnum], k)
 
     def cut(j: jax.Array) -> tuple[list, dict[str, Any]]:
-        call_args, call_kwargs = list(args), kwargs
-        if regather:
-            call_args, call_kwargs = _params_barrier(j, (call_args, kwargs), argnums)
-        for i in argnums:
-            call_args[i] = jax.tree.map(
-                lambda x: lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False),
-                split[i],
-            )
-        if keys is not None and key_argnum is not None:
-            key = lax.dynamic_index_in_dim(keys, j, keepdims=False)
-            if axis_name is not None:
-                # Each device's rows get their own dropout masks.
-                key = jax.random.fold_in(key, lax.axis_index(axis_name))
-            call_args[key_argnum] = key
-        return call_args, call_kwargs
+        return _micro_batch(j, args, kwargs, split, keys, settings, axis_name, regather)
 
     def call(j: jax.Array) -> PyTree:
         call_args, call_kwargs = cut(j)
@@ -364,23 +415,11 @@ def accumulate(
             weights = _match_varying(weights, carry[2])
         return new, weight_sum, weights
 
-    init = []
-    for s, dtype, kind in zip(structs, acc_dtypes, kinds, strict=True):
-        if kind in ("concat", GRADIENT):
-            zero = _rows_accumulator(s, k, dtype)
-        else:
-            # With the output's sharding where its type has one (params
-            # sharded over `Explicit` axes): a sharded accumulator.
-            zero = zeros_like_struct(s, dtype)
-        init.append(zero if axis_name is None else pcast_varying(zero, axis_name))
-    weight_sum = jnp.zeros((), weights_dtype)
-    weights = jnp.zeros((k,), weights_dtype)
-    if axis_name is not None and weighted:
-        weight_sum, weights = pcast_varying((weight_sum, weights), axis_name)
-    bound = _loop_bound(settings.num_real_microbatches, k)
-    acc, weight_sum, weights = lax.fori_loop(
-        0, bound, body, (init, weight_sum, weights)
+    init = _initial_carry(
+        structs, acc_dtypes, kinds, k, weights_dtype, axis_name, weighted
     )
+    bound = _loop_bound(settings.num_real_microbatches, k)
+    acc, weight_sum, weights = lax.fori_loop(0, bound, body, init)
     return Looped(
         kinds,
         acc,
