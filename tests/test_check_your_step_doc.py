@@ -32,7 +32,12 @@ def test_page_has_the_recipe_s_blocks():
     assert 'os.environ["JAX_PLATFORMS"] = "cpu"' in sources[0]
     assert sources[0].index("JAX_PLATFORMS") < sources[0].index("import jax")
     joined = "\n".join(sources)
-    for needed in ("h200_target.txtpb", "v5e:1x1", "optax.MultiSteps", "donate_argnums"):
+    for needed in (
+        "h200_target.txtpb",
+        "v5e:1x1",
+        "optax.MultiSteps",
+        "donate_argnums",
+    ):
         assert needed in joined, needed
 
 

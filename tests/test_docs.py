@@ -376,9 +376,7 @@ def test_page_sentences_average_under_18_words_none_over_40(page):
     """`python tests/test_docs.py` prints the figures of every page."""
     count, average, long, longest = sentence_figures(page)
     over = [
-        " ".join(s)
-        for s in prose_sentences((ROOT / page).read_text())
-        if len(s) > 40
+        " ".join(s) for s in prose_sentences((ROOT / page).read_text()) if len(s) > 40
     ]
     assert average < 18 and not over, (
         f"{page}: {count} sentences, {average:.1f} words on average, "
