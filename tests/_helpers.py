@@ -238,9 +238,7 @@ def jaxlib_version() -> tuple[int, ...]:
 
 def cpu_before_jaxlib_0_11() -> bool:
     """Whether XLA:CPU is that of a jaxlib below 0.11, whose fusion undoes
-    orders the package writes (Lion's moment after its updates) and which
-    gets the drop-in's every-step form
-    (`optax_ext/_accumulate/window.drop_in_in_conditional`)."""
+    orders the package writes (Lion's moment after its updates)."""
     return jaxlib_version() < (0, 11)
 
 

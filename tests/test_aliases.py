@@ -40,7 +40,6 @@ import optax
 import pytest
 
 import optax_ext
-from optax_ext._accumulate import window
 
 nan, inf = float("nan"), float("inf")
 
@@ -231,7 +230,7 @@ def test_multisteps_emits_inner_on_window_mean(name, dtype, variant):
 
 @pytest.mark.parametrize(
     "window_form",
-    ["every step" if window.drop_in_in_conditional("cpu") else "conditional"],
+    ["every step"],
     indirect=True,
 )
 @by_dtype(*FLOATS)
@@ -241,8 +240,8 @@ def test_multisteps_in_the_other_form_emits_inner_on_window_mean(
 ):
     """The same in the form of the window's step this environment does not
     get by itself (`tests/conftest.py::window_form`): the inner optimizer
-    on every step (as on GPUs, TPUs and XLA:CPU before jaxlib 0.11) where
-    this XLA:CPU runs it in a conditional, and the other way round."""
+    on every step, as on GPUs and TPUs, where XLA:CPU runs it in a
+    conditional."""
     _check_multisteps(name, "plain", FLOATS[dtype])
 
 

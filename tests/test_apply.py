@@ -23,7 +23,6 @@ from _helpers import (
 )
 
 import optax_ext
-from optax_ext._accumulate import window
 
 COMPILED = xla_cpu_only("memory analysis of the compiled step")
 
@@ -397,9 +396,8 @@ def test_fused_step_has_no_params_sized_temporary(leaves, shape, inner):
     # (with many small leaves a few scalars and buffer tables per leaf remain:
     # 12% of these 1 KiB leaves).
     assert fused_temp < bare_temp + 0.15, (fused_temp, bare_temp)
-    # Adafactor's own temporaries may hold the zero updates. Before jaxlib
-    # 0.11 the drop-in runs as optax's does (no conditional, no zeros).
-    if inner != "adafactor" and window.drop_in_in_conditional("cpu"):
+    # Adafactor's own temporaries may hold the zero updates.
+    if inner != "adafactor":
         assert dropin_temp - fused_temp > 0.98, (dropin_temp, fused_temp)
 
 

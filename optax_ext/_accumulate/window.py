@@ -12,10 +12,8 @@ first fold overwrites it (`docs/design.md`, "The plain form").
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from functools import partial
-from importlib.metadata import version
 from typing import Any
 
 import equinox as eqx
@@ -31,8 +29,6 @@ from .._weighted import Weights
 from .arithmetic import fold, fold_weighted
 from .branch import conform_state, update_if
 from .devices import PerDeviceState, SingleDeviceState
-
-_JAXLIB = tuple(int(x) for x in re.findall(r"\d+", version("jaxlib"))[:2])
 
 
 def _keep_or(keep: jax.Array, new: PyTree, old: PyTree) -> PyTree:
@@ -154,12 +150,11 @@ def drop_in_in_conditional(platform: str) -> bool:
     """Whether the drop-in `update` runs the inner optimizer in a
     conditional on `platform` (`"cpu"`, `"cuda"`, `"rocm"`, `"tpu"`), rather
     than on every step with its results selected, as optax.MultiSteps does.
-    Only XLA:CPU from jaxlib 0.11: on GPUs and TPUs a conditional that
-    returns the updates holds them in a buffer of their own (+0.74x the
-    params over optax.MultiSteps' train step on an H200, +1.03x on a TPU
-    v5e), and XLA:CPU before jaxlib 0.11 copies Lion's moment there (2.0x
-    against optax's 1.25x) (`docs/design.md`, "The plain form")."""
-    return platform == "cpu" and _JAXLIB >= (0, 11)
+    Only XLA:CPU: on GPUs and TPUs a conditional that returns the updates
+    holds them in a buffer of their own, +0.74x the params over
+    optax.MultiSteps' train step on an H200 and +1.03x on a TPU v5e
+    (`docs/design.md`, "The plain form")."""
+    return platform == "cpu"
 
 
 def run_window(
@@ -226,7 +221,13 @@ def run_window(
     # Equinox model's Python numbers and functions) stay outside.
     arrays = _arrays_at(params, params) if fused else None
 
-    args = (pred, inner_apply if fused else inner_update, acc, state_in, arrays)
+    step = inner_apply if fused else inner_update
+    eager = jax.config.jax_disable_jit  # pyright: ignore[reportAttributeAccessIssue]
+    if emit is None and not eager:
+        # One trace of the inner step for both forms `platform_dependent`
+        # traces: the second call is a hit in `jit`'s cache.
+        step = jax.jit(step, inline=True)
+    args = (pred, step, acc, state_in, arrays)
     if emit is False:
         result = arrays if fused else jax.tree.map(jnp.zeros_like, params)
         state_out, ran = state_in, pred
@@ -235,6 +236,9 @@ def run_window(
     elif fused or isinstance(devices, PerDeviceState):
         # Per device the window's all-reduce stays in the conditional.
         result, state_out, ran = _in_conditional(*args)
+    elif eager:  # run here, on this backend: no other to lower for
+        here = drop_in_in_conditional(jax.default_backend())
+        result, state_out, ran = (_in_conditional if here else _selected)(*args)
     else:
         forms = {
             p: partial(
