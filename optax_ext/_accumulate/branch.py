@@ -141,7 +141,7 @@ def update_if(
         return (jax.tree.unflatten(updates_def, zeros), inner_state), kept
 
     # The zeros' seed: any int32 scalar XLA cannot fold.
-    seed = kept if returns_count else lax.convert_element_type(pred, jnp.int32)
+    seed = lax.convert_element_type(pred, jnp.int32)
     (result, new_state), count = lax.cond(
         pred, run, skip, operands, inner_state, carry, seed
     )
