@@ -97,10 +97,11 @@ class MultiSteps(Configured):
     mini-steps applies the inner optimizer to the window's mean (or sum) and
     returns its updates; every other mini-step returns exact zeros. The
     inner optimizer runs only on a window's last mini-step, in a
-    conditional, but for `update` on GPUs and TPUs: there it runs on every
-    mini-step, as in optax, because a conditional returning the updates
-    would hold them in memory; `optax_ext.apply_gradients` keeps the
-    conditional on every backend (`docs/multi_steps.md`).
+    conditional, but for `update` on GPUs and TPUs without `axis_name`:
+    there it runs on every mini-step, as in optax, because a conditional
+    returning the updates would hold them in memory;
+    `optax_ext.apply_gradients` keeps the conditional on every backend
+    (`docs/multi_steps.md`).
 
     Beyond optax: every leaf of the inner state keeps its dtype, shape and
     weak type on every step (it is selected, never blended); a window's
