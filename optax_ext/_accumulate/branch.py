@@ -58,6 +58,7 @@ def update_if(
     *,
     carry: PyTree = None,
     counter: tuple[jax.Array, jax.Array] | None = None,
+    selected_on: Callable[[str], bool] | None = None,
 ) -> tuple[PyTree, PyTree, jax.Array | None]:
     """`inner_update(*operands, inner_state)` where `pred`, else zero
     updates and `inner_state` as it came in.
@@ -78,6 +79,11 @@ def update_if(
     the branches (out of the running branch's barrier): a caller that
     reads it (whether a `MultiSteps` window emitted) keeps the barrier,
     and so the conditional, alive in XLA. `None` otherwise.
+
+    With `selected_on`, a function of the platform (`"cpu"`, `"cuda"`,
+    `"rocm"`, `"tpu"`) that the program is lowered for: where it is true
+    there is no conditional, `inner_update` runs on every call and its
+    results are selected by `pred` (traced once for both forms).
     """
     carried = carry is not None
     returns_count = counter is not None
@@ -140,11 +146,41 @@ def update_if(
         updates_def = out_def.children()[0]
         return (jax.tree.unflatten(updates_def, zeros), inner_state), kept
 
-    # The zeros' seed: any int32 scalar XLA cannot fold.
-    seed = lax.convert_element_type(pred, jnp.int32)
-    (result, new_state), count = lax.cond(
-        pred, run, skip, operands, inner_state, carry, seed
-    )
+    def conditional():
+        # The zeros' seed: any int32 scalar XLA cannot fold.
+        seed = lax.convert_element_type(pred, jnp.int32)
+        (result, new_state), count = lax.cond(
+            pred, run, skip, operands, inner_state, carry, seed
+        )
+        return result, new_state, count
+
+    def selected():
+        leaves = jax.tree.leaves(call(operands, inner_state, carry))
+        leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
+        result, new_state = jax.tree.unflatten(out_def, leaves)
+        if carried:
+            result = jax.tree.map(lambda n, o: jnp.where(pred, n, o), result, carry)
+        else:
+            result = jax.tree.map(
+                lambda u: jnp.where(pred, u, 0).astype(u.dtype), result
+            )
+        new_state = jax.tree.map(
+            lambda n, o: jnp.where(pred, n, o), new_state, inner_state
+        )
+        return result, new_state, jnp.where(pred, ran, kept)
+
+    if selected_on is None:
+        result, new_state, count = conditional()
+    elif jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
+        # Run here, on this backend: no other to lower for.
+        here = selected_on(jax.default_backend())
+        result, new_state, count = selected() if here else conditional()
+    else:
+        forms = {
+            p: selected if selected_on(p) else conditional
+            for p in ("cpu", "cuda", "rocm", "tpu")
+        }
+        result, new_state, count = lax.platform_dependent(**forms, default=selected)
     return result, new_state, count if returns_count else None
 
 

@@ -13,7 +13,6 @@ first fold overwrites it (`docs/design.md`, "The plain form").
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import equinox as eqx
@@ -115,11 +114,17 @@ def _inner_steps(
 
 
 def _in_conditional(
-    pred: jax.Array, step: Callable, acc: PyTree, state: PyTree, carry: PyTree
+    pred: jax.Array,
+    step: Callable,
+    acc: PyTree,
+    state: PyTree,
+    carry: PyTree,
+    selected_on: Callable[[str], bool] | None = None,
 ) -> tuple[PyTree, PyTree, jax.Array]:
-    """`step` in `update_if`, and whether it ran as the branches say: a
-    value read after the conditional keeps its barrier, and so the
-    conditional, alive in XLA."""
+    """`step` in `update_if` (selected instead on the platforms
+    `selected_on` names), and whether it ran as the branches say: a value
+    read after the conditional keeps its barrier, and so the conditional,
+    alive in XLA."""
     result, state_out, ran = update_if(
         pred,
         step,
@@ -127,6 +132,7 @@ def _in_conditional(
         state,
         carry=carry,
         counter=(jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)),
+        selected_on=selected_on,
     )
     return result, state_out, ran == 1
 
@@ -221,13 +227,7 @@ def run_window(
     # Equinox model's Python numbers and functions) stay outside.
     arrays = _arrays_at(params, params) if fused else None
 
-    step = inner_apply if fused else inner_update
-    eager = jax.config.jax_disable_jit  # pyright: ignore[reportAttributeAccessIssue]
-    if emit is None and not eager:
-        # One trace of the inner step for both forms `platform_dependent`
-        # traces: the second call is a hit in `jit`'s cache.
-        step = jax.jit(step, inline=True)
-    args = (pred, step, acc, state_in, arrays)
+    args = (pred, inner_apply if fused else inner_update, acc, state_in, arrays)
     if emit is False:
         result = arrays if fused else jax.tree.map(jnp.zeros_like, params)
         state_out, ran = state_in, pred
@@ -236,18 +236,9 @@ def run_window(
     elif fused or isinstance(devices, PerDeviceState):
         # Per device the window's all-reduce stays in the conditional.
         result, state_out, ran = _in_conditional(*args)
-    elif eager:  # run here, on this backend: no other to lower for
-        here = drop_in_in_conditional(jax.default_backend())
-        result, state_out, ran = (_in_conditional if here else _selected)(*args)
     else:
-        forms = {
-            p: partial(
-                _in_conditional if drop_in_in_conditional(p) else _selected, *args
-            )
-            for p in ("cpu", "cuda", "rocm", "tpu")
-        }
-        result, state_out, ran = lax.platform_dependent(
-            **forms, default=partial(_selected, *args)
+        result, state_out, ran = _in_conditional(
+            *args, selected_on=lambda p: not drop_in_in_conditional(p)
         )
     if fused:
         result = merge_trainable(params, result)
