@@ -90,21 +90,7 @@ def update_if(
     known = known_bool(pred)
     if known is not None and counter is None:
         # Decided while tracing: no conditional (nor barrier) at all.
-        if not known:
-            return (
-                carry if carried else _zeros_of(inner_update, operands, inner_state),
-                inner_state,
-                None,
-            )
-        if carried:
-            new_carry, new_state = inner_update(*operands, inner_state, carry)
-            return (
-                conform_state(new_carry, carry),
-                conform_state(new_state, inner_state),
-                None,
-            )
-        new_updates, new_state = inner_update(*operands, inner_state)
-        return new_updates, conform_state(new_state, inner_state), None
+        return (*_decided(known, inner_update, operands, inner_state, carry), None)
     if counter is None:
         counter = (jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
     ran, kept = counter
@@ -158,30 +144,63 @@ def update_if(
         leaves = jax.tree.leaves(call(operands, inner_state, carry))
         leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
         result, new_state = jax.tree.unflatten(out_def, leaves)
-        if carried:
-            result = jax.tree.map(lambda n, o: jnp.where(pred, n, o), result, carry)
-        else:
-            result = jax.tree.map(
-                lambda u: jnp.where(pred, u, 0).astype(u.dtype), result
-            )
-        new_state = jax.tree.map(
-            lambda n, o: jnp.where(pred, n, o), new_state, inner_state
+        return (
+            *_select(pred, (result, new_state), (carry, inner_state), carried),
+            jnp.where(pred, ran, kept),
         )
-        return result, new_state, jnp.where(pred, ran, kept)
 
-    if selected_on is None:
-        result, new_state, count = conditional()
-    elif jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
-        # Run here, on this backend: no other to lower for.
-        here = selected_on(jax.default_backend())
-        result, new_state, count = selected() if here else conditional()
-    else:
-        forms = {
-            p: selected if selected_on(p) else conditional
-            for p in ("cpu", "cuda", "rocm", "tpu")
-        }
-        result, new_state, count = lax.platform_dependent(**forms, default=selected)
+    result, new_state, count = _per_platform(selected_on, selected, conditional)
     return result, new_state, count if returns_count else None
+
+
+def _decided(
+    known: bool, inner_update: Callable, operands: tuple, inner_state: PyTree, carry
+) -> tuple[PyTree, PyTree]:
+    """`update_if` where `pred` is known while tracing: `inner_update`
+    called, or zero updates (the carry) and the state as they came."""
+    if not known and carry is not None:
+        return carry, inner_state
+    if not known:
+        return _zeros_of(inner_update, operands, inner_state), inner_state
+    if carry is not None:
+        new_carry, new_state = inner_update(*operands, inner_state, carry)
+        return conform_state(new_carry, carry), conform_state(new_state, inner_state)
+    new_updates, new_state = inner_update(*operands, inner_state)
+    return new_updates, conform_state(new_state, inner_state)
+
+
+def _select(
+    pred: jax.Array, new: tuple, old: tuple, carried: bool
+) -> tuple[PyTree, PyTree]:
+    """The new results (updates or carry) and state where `pred`, the old
+    carry (or zero updates) and state elsewhere."""
+    (result, new_state), (carry, inner_state) = new, old
+    if carried:
+        result = jax.tree.map(lambda n, o: jnp.where(pred, n, o), result, carry)
+    else:
+        result = jax.tree.map(lambda u: jnp.where(pred, u, 0).astype(u.dtype), result)
+    new_state = jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, inner_state)
+    return result, new_state
+
+
+def _per_platform(
+    selected_on: Callable[[str], bool] | None,
+    selected: Callable[[], Any],
+    conditional: Callable[[], Any],
+) -> Any:
+    """`conditional()`, or `selected()` on the platforms `selected_on`
+    names, chosen when the program is lowered; with jit disabled, for
+    this backend."""
+    if selected_on is None:
+        return conditional()
+    if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
+        # Run here, on this backend: no other to lower for.
+        return selected() if selected_on(jax.default_backend()) else conditional()
+    forms = {
+        p: selected if selected_on(p) else conditional
+        for p in ("cpu", "cuda", "rocm", "tpu")
+    }
+    return lax.platform_dependent(**forms, default=selected)
 
 
 def known_bool(x: Any) -> bool | None:
