@@ -145,7 +145,7 @@ def update_if(
         leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
         result, new_state = jax.tree.unflatten(out_def, leaves)
         return (
-            *_select(pred, (result, new_state), (carry, inner_state), carried),
+            *select_results(pred, (result, new_state), (carry, inner_state), carried),
             jnp.where(pred, ran, kept),
         )
 
@@ -169,7 +169,7 @@ def _decided(
     return new_updates, conform_state(new_state, inner_state)
 
 
-def _select(
+def select_results(
     pred: jax.Array, new: tuple, old: tuple, carried: bool
 ) -> tuple[PyTree, PyTree]:
     """The new results (updates or carry) and state where `pred`, the old

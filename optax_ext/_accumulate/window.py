@@ -26,7 +26,7 @@ from .._apply import apply_gradients, merge_trainable
 from .._leaves import is_none
 from .._weighted import Weights
 from .arithmetic import fold, fold_weighted
-from .branch import conform_state, update_if
+from .branch import conform_state, select_results, update_if
 from .devices import PerDeviceState, SingleDeviceState
 
 
@@ -142,14 +142,10 @@ def _selected(
 ) -> tuple[PyTree, PyTree, jax.Array]:
     """`step` run unconditionally, its results where `pred`, zero updates
     (or the carry) and `state` as they came in elsewhere."""
-    if carry is not None:
-        result, state_out = step(acc, state, carry)
-        result = _keep_or(pred, result, carry)
-    else:
-        result, state_out = step(acc, state)
-        result = jax.tree.map(lambda u: jnp.where(pred, u, 0).astype(u.dtype), result)
-    state_out = _keep_or(pred, conform_state(state_out, state), state)
-    return result, state_out, pred
+    carried = carry is not None
+    result, state_out = step(acc, state, carry) if carried else step(acc, state)
+    new = (result, conform_state(state_out, state))
+    return (*select_results(pred, new, (carry, state), carried), pred)
 
 
 def drop_in_in_conditional(platform: str) -> bool:
