@@ -6,103 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import optax
-from jaxtyping import PyTree
 
-from ._leaves import is_none
-from ._static import Configured, Method
-from ._tree import is_transformation
-
-
-def check_transformation(value: Any, name: str) -> None:
-    """Raises a `TypeError` unless `value` has callable `init` and `update`."""
-    if not is_transformation(value):
-        hint = (
-            " A factory such as `optax.adam` must be called to build one: "
-            "`optax.adam(1e-3)`."
-            if callable(value)
-            else ""
-        )
-        raise TypeError(
-            f"{name} must be an optax.GradientTransformation (with `init` and "
-            f"`update`), got {value!r} of type {type(value).__name__}.{hint}"
-        )
+from ._transformations import (
+    apply_updates,
+    check_transformation,
+    fused_owner,
+    owner,
+)
 
 
-def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
-    """`optax.apply_updates`' arithmetic (`p + u` cast back to the dtype of
-    `p`) with `eqx.apply_updates`' tree handling: where `updates` holds
-    `None` (what `eqx.filter_grad` gives for a leaf that is not a floating
-    array: a function, an integer buffer) the params leaf is kept as it is.
-    """
-
-    def apply(u: Any, p: Any) -> Any:
-        if u is None:
-            return p
-        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
-
-    return jax.tree.map(apply, updates, params, is_leaf=is_none)
-
-
-def merge_trainable(params: PyTree, new: PyTree) -> PyTree:
-    """`params` with each leaf that `new` holds (not `None`) replaced by it."""
-    return jax.tree.map(
-        lambda n, p: p if n is None else n, new, params, is_leaf=is_none
-    )
-
-
-def _owner(optimizer: Any) -> Configured | None:
-    """The object of this package behind `optimizer`, if any: a `MultiSteps`
-    itself, or the owner behind the `Method`s of
-    `MultiSteps.gradient_transformation()` and `skip_when(...)`."""
-    owner = optimizer
-    if isinstance(getattr(optimizer, "update", None), Method):
-        owner = optimizer.update.owner
-    return owner if isinstance(owner, Configured) else None
-
-
-def with_extra_args(opt: Any) -> optax.GradientTransformationExtraArgs:
-    """`opt` as an `optax.GradientTransformationExtraArgs` that forwards extra
-    keyword arguments wherever `apply_gradients` forwards them: as
-    `optax.with_extra_args_support`, except that an optimizer of this
-    package (a `MultiSteps`, a `skip_when`, in any form) keeps them, so a
-    nested one still gets `skip=` and `value=` (as its `update` does when
-    called directly)."""
-    if _owner(opt) is not None and not isinstance(
-        opt, optax.GradientTransformationExtraArgs
-    ):
-        return optax.GradientTransformationExtraArgs(opt.init, opt.update)
-    return optax.with_extra_args_support(opt)
-
-
-def _fused(optimizer: Any, params: Any, grads: Any) -> Any:
-    """The object whose `_apply_gradients` fuses `optimizer`'s step, if any
-    (`_owner`). None when a Python number of `params` has a gradient: its
-    update makes it an array, which the conditional cannot hand back as a
-    number on the steps that do not update (such a step is applied
-    unfused). Numbers without one (`eqx.nn.Dropout`'s `p`) stay outside."""
-    owner = _owner(optimizer)
-    if not hasattr(owner, "_apply_gradients"):
-        return None
-    numbers_with_gradients: list[bool] = []
-
-    def note(g: Any, p: Any) -> None:
-        number = isinstance(p, (int, float, complex))
-        numbers_with_gradients.append(g is not None and number)
-
-    try:
-        jax.tree.map(note, grads, params, is_leaf=is_none)
-    except (ValueError, TypeError):
-        return owner  # its own checks say what does not fit
-    if any(numbers_with_gradients):
-        return None
-    return owner
-
-
-def _check_emit(emit: Any, optimizer: Any, owner: Any) -> None:
-    """Raises unless `emit` is a Python bool and `owner` a `MultiSteps`."""
+def _check_emit(emit: Any, optimizer: Any, found: Any) -> None:
+    """Raises unless `emit` is a Python bool and `found` (the optimizer's
+    `owner`) a `MultiSteps`."""
     if not isinstance(emit, bool):
         raise TypeError(
             "optax_ext.apply_gradients: emit must be a Python bool chosen on the "
@@ -110,7 +26,7 @@ def _check_emit(emit: Any, optimizer: Any, owner: Any) -> None:
             f"{type(emit).__name__}: it chooses which program to compile, so it "
             "cannot be traced."
         )
-    if not getattr(owner, "takes_emit", False):
+    if not getattr(found, "takes_emit", False):
         raise TypeError(
             "optax_ext.apply_gradients: emit= chooses where an "
             "optax_ext.MultiSteps window ends, so the optimizer must be one "
@@ -189,17 +105,17 @@ def apply_gradients(
     ```
     """
     check_transformation(optimizer, "optax_ext.apply_gradients: optimizer")
-    owner = _fused(optimizer, params, grads)
-    if emit is not None:
-        _check_emit(emit, optimizer, _owner(optimizer))
-        if owner is None:
-            raise TypeError(
-                "optax_ext.apply_gradients(emit=...): a Python number of `params` "
-                "has a gradient, so its update would make it an array; store it "
-                "as a JAX array (`jnp.asarray`) to choose the window on the host."
-            )
-        return owner._apply_gradients(grads, opt_state, params, emit=emit, **extra_args)
-    if owner is not None:
-        return owner._apply_gradients(grads, opt_state, params, **extra_args)
-    updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)
-    return apply_updates(params, updates), opt_state
+    fused = fused_owner(optimizer, params, grads)
+    if emit is None:
+        if fused is not None:
+            return fused._apply_gradients(grads, opt_state, params, **extra_args)
+        updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)
+        return apply_updates(params, updates), opt_state
+    _check_emit(emit, optimizer, owner(optimizer))
+    if fused is None:
+        raise TypeError(
+            "optax_ext.apply_gradients(emit=...): a Python number of `params` "
+            "has a gradient, so its update would make it an array; store it "
+            "as a JAX array (`jnp.asarray`) to choose the window on the host."
+        )
+    return fused._apply_gradients(grads, opt_state, params, emit=emit, **extra_args)

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._apply import with_extra_args
 from ._inject_arguments import (
     NUMERIC,
     SCHEDULE,
@@ -33,6 +32,7 @@ from ._leaves import inner_params, updates_for_inner, updates_for_params
 from ._records import avals_key
 from ._sharding import mirror_param_sharding
 from ._static import ConfigKey, Configured, config_key, snapshot
+from ._transformations import with_extra_args
 from ._tree import (
     as_weak,
     check_updates_fit_params,

@@ -22,18 +22,12 @@ import optax
 from jaxtyping import Array, Bool, PyTree
 
 from ._accumulate.arithmetic import (
-    as_gradient_dtype,
     check_accumulator_dtype,
     weight_dtype,
     zero_accumulator,
 )
 from ._accumulate.devices import device_state
 from ._accumulate.window import run_window
-from ._apply import (
-    check_transformation,
-    merge_trainable,
-    with_extra_args,
-)
 from ._leaves import accumulated, restore_none
 from ._multi_steps_checks import (
     check_skip_fn,
@@ -44,9 +38,12 @@ from ._multi_steps_checks import (
 from ._records import strong_as_recorded, traced_state_record
 from ._sharding import mirror_param_sharding
 from ._static import Configured, config_key
-from ._tree import (
-    saturating_increment,
+from ._transformations import (
+    check_transformation,
+    merge_trainable,
+    with_extra_args,
 )
+from ._tree import saturating_increment
 from ._weighted import (
     WeightedMultiStepsState,
     Weights,
@@ -335,9 +332,7 @@ class MultiSteps(Configured):
             inner=self._opt,
             fusable_inner=self._fusable_inner,
             devices=self._devices,
-            as_gradients=lambda mean: jax.tree.map(
-                as_gradient_dtype, mean, grad_dtypes
-            ),
+            grad_dtypes=grad_dtypes,
             mean=self._use_grad_mean,
             fused=fused,
             emit=emit,

@@ -9,12 +9,6 @@ import jax.numpy as jnp
 import optax
 
 from ._accumulate.branch import known_bool, update_if
-from ._apply import (
-    apply_gradients,
-    check_transformation,
-    merge_trainable,
-    with_extra_args,
-)
 from ._leaves import (
     differentiated,
     inner_params,
@@ -24,6 +18,12 @@ from ._leaves import (
 )
 from ._records import check_state_structure, strong_as_recorded, traced_state_record
 from ._static import Configured, config_key
+from ._transformations import (
+    check_transformation,
+    merge_trainable,
+    step_and_apply,
+    with_extra_args,
+)
 from ._tree import check_updates_fit_params, describe_value
 
 
@@ -110,7 +110,7 @@ class _SkipWhen(Configured):
         arrays = restore_none(grads, differentiated(params))
 
         def inner_apply(filled, inner_state, arrays):
-            new_params, new_state = apply_gradients(
+            new_params, new_state = step_and_apply(
                 self._fusable_inner,
                 filled,
                 inner_state,

@@ -395,6 +395,7 @@ def conform_state(new: PyTree, old: PyTree) -> PyTree:
             f"than it was given: {new_def} instead of {old_def}; a state that is "
             "kept on some steps must keep its structure."
         )
+    keys = [is_typed_key(o) for o in old_leaves]
     check_same_shapes(
         old,
         new,
@@ -403,13 +404,14 @@ def conform_state(new: PyTree, old: PyTree) -> PyTree:
         hint="a state that is kept on some steps must keep its shapes.",
     )
     leaves = []
-    for path_leaf, n, o in zip(
+    for path_leaf, n, o, key in zip(
         jax.tree_util.tree_flatten_with_path(old)[0],
         new_leaves,
         old_leaves,
+        keys,
         strict=True,
     ):
-        if is_typed_key(o):
+        if key:
             if n.dtype != o.dtype:
                 raise ValueError(
                     f"The inner optimizer changed the key type of its state leaf "

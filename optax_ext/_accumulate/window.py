@@ -22,10 +22,10 @@ import optax
 from jax import lax
 from jaxtyping import PyTree
 
-from .._apply import apply_gradients, merge_trainable
 from .._leaves import is_none
+from .._transformations import merge_trainable, step_and_apply
 from .._weighted import Weights
-from .arithmetic import fold, fold_weighted
+from .arithmetic import as_gradient_dtype, fold, fold_weighted
 from .branch import conform_state, select_results, update_if
 from .devices import PerDeviceState, SingleDeviceState
 
@@ -57,20 +57,19 @@ def folded(
     (if any)."""
 
     def one(g: jax.Array, a: jax.Array) -> jax.Array:
-        g = devices.add_axis(g)
         if weights is None:
             new = fold(g, a, mini_step, mean)
         else:
             new = fold_weighted(g, a, *weights.folding)
         return lax.select(should_skip, a, new)
 
-    return jax.tree.map(one, grads, acc)
+    return jax.tree.map(one, devices.add_axis(grads), acc)
 
 
 def _inner_steps(
     weights: Weights | None,
     devices: SingleDeviceState,
-    as_gradients: Callable[[PyTree], PyTree],
+    grad_dtypes: PyTree,
     inner: optax.GradientTransformationExtraArgs,
     fusable_inner: Any,
     params: PyTree | None,
@@ -82,6 +81,9 @@ def _inner_steps(
     weighted, the state is paired with whether the window's weights sum
     to more than 0, and where they do not the updates are zeros and the
     state (and the params) as they came in."""
+
+    def as_gradients(mean_):
+        return jax.tree.map(as_gradient_dtype, mean_, grad_dtypes)
 
     def window_grads(acc):
         if weights is None:
@@ -101,7 +103,7 @@ def _inner_steps(
     def inner_apply(acc, state, arrays):
         mean_, keep = window_grads(acc)
         state = state if keep is None else state[0]
-        new_params, new = apply_gradients(
+        new_params, new = step_and_apply(
             fusable_inner, mean_, state, merge_trainable(params, arrays), **extra_args
         )
         new_arrays = _arrays_at(new_params, arrays)
@@ -173,16 +175,16 @@ def run_window(
     inner: optax.GradientTransformationExtraArgs,
     fusable_inner: Any,
     devices: SingleDeviceState,
-    as_gradients: Callable[[PyTree], PyTree],
+    grad_dtypes: PyTree,
     mean: bool,
     fused: bool,
     emit: bool | None = None,
 ) -> tuple[PyTree, PyTree, PyTree, jax.Array]:
     """One mini-step: `grads` folded into `acc` (kept where
-    `should_skip`), then `inner` on the window's mean (`as_gradients`
-    casts it to the gradients' dtypes) where the window ends. Returns the
+    `should_skip`), then `inner` on the window's mean (cast to
+    `grad_dtypes`, the gradients' dtypes) where the window ends. Returns the
     updates (or, `fused`, the new params from
-    `apply_gradients(fusable_inner, ...)`), the inner state, the new
+    `step_and_apply(fusable_inner, ...)`), the inner state, the new
     accumulator and whether the inner optimizer ran.
 
     The inner optimizer runs in one `update_if`, but for the drop-in on
@@ -214,7 +216,7 @@ def run_window(
     )
 
     inner_update, inner_apply = _inner_steps(
-        weights, devices, as_gradients, inner, fusable_inner, params, extra_args
+        weights, devices, grad_dtypes, inner, fusable_inner, params, extra_args
     )
     state_in = (
         (inner_state, jnp.zeros((), jnp.bool_)) if decided_inside else inner_state

@@ -1,0 +1,118 @@
+"""What the package's wrappers share about the transformations they wrap:
+the check that one was given, extra-argument forwarding, and one step
+applied to the params (`step_and_apply`), fused where the optimizer is one
+of this package's. `optax_ext.apply_gradients` is its public face."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import PyTree
+
+from ._leaves import is_none
+from ._static import Configured, Method
+from ._tree import is_transformation
+
+
+def check_transformation(value: Any, name: str) -> None:
+    """Raises a `TypeError` unless `value` has callable `init` and `update`."""
+    if not is_transformation(value):
+        hint = (
+            " A factory such as `optax.adam` must be called to build one: "
+            "`optax.adam(1e-3)`."
+            if callable(value)
+            else ""
+        )
+        raise TypeError(
+            f"{name} must be an optax.GradientTransformation (with `init` and "
+            f"`update`), got {value!r} of type {type(value).__name__}.{hint}"
+        )
+
+
+def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
+    """`optax.apply_updates`' arithmetic (`p + u` cast back to the dtype of
+    `p`) with `eqx.apply_updates`' tree handling: where `updates` holds
+    `None` (what `eqx.filter_grad` gives for a leaf that is not a floating
+    array: a function, an integer buffer) the params leaf is kept as it is.
+    """
+
+    def apply(u: Any, p: Any) -> Any:
+        if u is None:
+            return p
+        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+    return jax.tree.map(apply, updates, params, is_leaf=is_none)
+
+
+def merge_trainable(params: PyTree, new: PyTree) -> PyTree:
+    """`params` with each leaf that `new` holds (not `None`) replaced by it."""
+    return jax.tree.map(
+        lambda n, p: p if n is None else n, new, params, is_leaf=is_none
+    )
+
+
+def owner(optimizer: Any) -> Configured | None:
+    """The object of this package behind `optimizer`, if any: a `MultiSteps`
+    itself, or the owner behind the `Method`s of
+    `MultiSteps.gradient_transformation()` and `skip_when(...)`."""
+    owner = optimizer
+    if isinstance(getattr(optimizer, "update", None), Method):
+        owner = optimizer.update.owner
+    return owner if isinstance(owner, Configured) else None
+
+
+def with_extra_args(opt: Any) -> optax.GradientTransformationExtraArgs:
+    """`opt` as an `optax.GradientTransformationExtraArgs` that forwards extra
+    keyword arguments wherever `apply_gradients` forwards them: as
+    `optax.with_extra_args_support`, except that an optimizer of this
+    package (a `MultiSteps`, a `skip_when`, in any form) keeps them, so a
+    nested one still gets `skip=` and `value=` (as its `update` does when
+    called directly)."""
+    if owner(opt) is not None and not isinstance(
+        opt, optax.GradientTransformationExtraArgs
+    ):
+        return optax.GradientTransformationExtraArgs(opt.init, opt.update)
+    return optax.with_extra_args_support(opt)
+
+
+def fused_owner(optimizer: Any, params: Any, grads: Any) -> Any:
+    """The object whose `_apply_gradients` fuses `optimizer`'s step, if any
+    (`owner`). None when a Python number of `params` has a gradient: its
+    update makes it an array, which the conditional cannot hand back as a
+    number on the steps that do not update (such a step is applied
+    unfused). Numbers without one (`eqx.nn.Dropout`'s `p`) stay outside."""
+    found = owner(optimizer)
+    if not hasattr(found, "_apply_gradients"):
+        return None
+    numbers_with_gradients: list[bool] = []
+
+    def note(g: Any, p: Any) -> None:
+        number = isinstance(p, (int, float, complex))
+        numbers_with_gradients.append(g is not None and number)
+
+    try:
+        jax.tree.map(note, grads, params, is_leaf=is_none)
+    except (ValueError, TypeError):
+        return found  # its own checks say what does not fit
+    if any(numbers_with_gradients):
+        return None
+    return found
+
+
+def step_and_apply(
+    optimizer: Any,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+    params: optax.Params,
+    **extra_args: Any,
+) -> tuple[optax.Params, optax.OptState]:
+    """`optimizer.update` then `apply_updates`, or, where `optimizer` is one
+    of this package's (`fused_owner`), its fused `_apply_gradients`."""
+    found = fused_owner(optimizer, params, grads)
+    if found is not None:
+        return found._apply_gradients(grads, opt_state, params, **extra_args)
+    updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)
+    return apply_updates(params, updates), opt_state

@@ -1,0 +1,290 @@
+"""The package's code keeps the shape `docs/design.md` describes: modules
+import each other without a circle, no function runs over 80 lines
+(docstrings aside), and a gradient's path through `MultiSteps.update` and
+`apply_gradients` goes down the import graph: no call climbs back into a
+module above its caller's, so along each chain of calls every module is
+entered once.
+
+The path is traced with `sys.setprofile` while `jax.jit` traces the step:
+a call is on the gradient's path when one of its arguments holds a leaf of
+the gradients or of a value a call on the path returned."""
+
+import ast
+import pathlib
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_ext
+
+ROOT = pathlib.Path(optax_ext.__file__).parent
+MAX_LINES = 80
+# Not climbs: a wrapped optimizer's entry point called by
+# `_transformations.step_and_apply` or a `_static.Method` (a `skip_when`
+# around a `MultiSteps`), and a function defined inside another (a
+# callback its module hands down, as `update_if` runs the step it is
+# given).
+DISPATCH = {"init", "update", "_apply_gradients"}
+DISPATCHERS = {"_transformations", "_static"}
+
+
+def _module(path: pathlib.Path) -> str:
+    return "/".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of the package and the package modules it imports."""
+    graph = {}
+    for path in ROOT.rglob("*.py"):
+        name = _module(path)
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            base = list(pathlib.PurePosixPath(name).parts[:-1])
+            base = base[: len(base) - (node.level - 1)]
+            target = base + (node.module.split(".") if node.module else [])
+            for alias in node.names:
+                if (ROOT / "/".join([*target, alias.name])).with_suffix(".py").exists():
+                    deps.add("/".join([*target, alias.name]))
+                elif (ROOT / "/".join(target)).with_suffix(".py").exists():
+                    deps.add("/".join(target))
+        graph[name] = deps
+    return graph
+
+
+def below(graph: dict[str, set[str]], module: str) -> set[str]:
+    """The modules `module` imports, directly or not."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+
+    def visit(node, trail):
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return [*trail[trail.index(dep) :], dep] if dep in trail else [dep]
+            if dep not in state:
+                found = visit(dep, [*trail, dep])
+                if found:
+                    return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node, [node])
+            if found:
+                return found
+    return None
+
+
+def long_functions(source: str, limit: int) -> list[tuple[str, int]]:
+    """Functions of `source` longer than `limit` lines, docstrings aside."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        lines = node.end_lineno - node.lineno + 1
+        first = node.body[0]
+        if (
+            isinstance(first, ast.Expr)
+            and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)
+        ):
+            lines -= first.end_lineno - first.lineno + 1
+        if lines > limit:
+            found.append((node.name, lines))
+    return found
+
+
+def gradient_calls(run, grads):
+    """`(caller frame, caller module, callee module, callee name)` of each
+    call into the package on the gradients' path while `run()` runs (a
+    function defined inside another named as `<locals>`)."""
+    tracked = {id(leaf) for leaf in jax.tree.leaves(grads)}
+    alive = list(jax.tree.leaves(grads))  # ids stay unique while traced
+    calls, on_path, frames = [], [], []
+
+    def holds_gradient(value):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # an iterator as a leaf
+                return any(id(leaf) in tracked for leaf in jax.tree.leaves(value))
+        except Exception:  # a value pytrees cannot flatten
+            return False
+
+    def package_caller(frame):
+        while frame is not None and not frame.f_code.co_filename.startswith(str(ROOT)):
+            frame = frame.f_back
+        return frame
+
+    def profile(frame, event, arg):
+        if not frame.f_code.co_filename.startswith(str(ROOT)):
+            return
+        if event == "call":
+            code = frame.f_code
+            names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+            hit = any(holds_gradient(frame.f_locals.get(n)) for n in names)
+            on_path.append(hit)
+            caller = package_caller(frame.f_back)
+            if hit and caller is not None:
+                frames.append(caller)
+                calls.append(
+                    (
+                        caller,
+                        _module(pathlib.Path(caller.f_code.co_filename)),
+                        _module(pathlib.Path(code.co_filename)),
+                        "<locals>" if "<locals>" in code.co_qualname else code.co_name,
+                    )
+                )
+        elif event == "return" and on_path and on_path.pop() and arg is not None:
+            try:
+                leaves = jax.tree.leaves(arg)
+            except Exception:
+                return
+            alive.extend(leaves)
+            tracked.update(id(leaf) for leaf in leaves)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def climbs(calls, graph):
+    """The calls into a module above their caller's: along any chain of
+    calls without them, each module is entered once, going down."""
+    return [
+        (caller_mod, callee_mod, name)
+        for _, caller_mod, callee_mod, name in calls
+        if caller_mod != callee_mod
+        and name != "<locals>"
+        and not (caller_mod in DISPATCHERS and name in DISPATCH)
+        and caller_mod in below(graph, callee_mod)
+    ]
+
+
+def test_modules_import_without_a_circle():
+    graph = import_graph()
+    assert "_accumulate/window" in graph and "_multi_steps" in graph
+    assert find_cycle(graph) is None, find_cycle(graph)
+    # `apply_gradients` is the top: only the package's `__init__` imports it.
+    assert [m for m, deps in graph.items() if "_apply" in deps] == ["__init__"]
+
+
+def test_cycle_finder_finds_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: _module(p))
+def test_no_function_runs_over_80_lines(path):
+    assert long_functions(path.read_text(), MAX_LINES) == []
+
+
+def test_line_counter_leaves_docstrings_out():
+    # The `def` line and the body count.
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES - 1))
+    doc = '    """' + "\n" * 30 + '    """\n'
+    assert long_functions(f"def f():\n{doc}{body}\n", MAX_LINES) == []
+    assert long_functions(f"def f():\n{body}\n    y = 1\n", MAX_LINES) == [
+        ("f", MAX_LINES + 1)
+    ]
+
+
+PARAMS = {"a": jnp.ones((3,)), "b": jnp.ones((2, 2))}
+OPTIMIZERS = {
+    "plain": (lambda: optax_ext.MultiSteps(optax.adam(1e-3), 3), {}),
+    "weighted, skip function": (
+        lambda: optax_ext.MultiSteps(
+            optax.adam(1e-3),
+            3,
+            weighted=True,
+            should_skip_update_fn=optax.skip_not_finite,
+        ),
+        {"weight": 1.0},
+    ),
+    "sum, clip chain": (
+        lambda: optax_ext.MultiSteps(
+            optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+            2,
+            use_grad_mean=False,
+        ),
+        {},
+    ),
+    "skip_when around MultiSteps": (
+        lambda: optax_ext.skip_when(optax_ext.MultiSteps(optax.adam(1e-3), 3)),
+        {"skip": jnp.asarray(False)},
+    ),
+}
+
+
+CALLS = {
+    "update": (False, None),
+    "apply_gradients": (True, None),
+    "emit=True": (True, True),
+    "emit=False": (True, False),
+}
+CASES = [
+    (name, call)
+    for name in OPTIMIZERS
+    for call in CALLS
+    if not (name.startswith("skip_when") and call.startswith("emit"))
+]
+
+
+@pytest.mark.parametrize("name, call", CASES)
+def test_gradient_path_goes_down_the_modules(name, call):
+    make, extra = OPTIMIZERS[name]
+    fused, emit = CALLS[call]
+    opt = make()
+    state = opt.init(PARAMS)
+    traced = {}
+
+    def step(grads, state, params):
+        def run():
+            if fused:
+                kw = {} if emit is None else {"emit": emit}
+                traced["out"] = optax_ext.apply_gradients(
+                    opt, grads, state, params, **kw, **extra
+                )
+            else:
+                traced["out"] = opt.update(grads, state, params, **extra)
+
+        traced["calls"] = gradient_calls(run, grads)
+        return traced["out"]
+
+    jax.jit(step).trace(PARAMS, state, PARAMS)
+    calls = traced["calls"]
+    modules = {callee for _, _, callee, _ in calls}
+    assert {"_multi_steps", "_accumulate/window", "_accumulate/arithmetic"} <= modules
+    assert climbs(calls, import_graph()) == []
+
+
+def test_climbs_are_calls_above_the_caller():
+    graph = {"top": {"low"}, "low": set(), "side": set()}
+    calls = [
+        (None, "top", "low", "g"),
+        (None, "top", "side", "h"),
+        (None, "low", "top", "up"),
+        (None, "low", "top", "<locals>"),
+        (None, "_static", "top", "update"),
+    ]
+    graph["top"].add("_static")
+    assert climbs(calls, graph) == [("low", "top", "up")]
