@@ -32,6 +32,7 @@ said):
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import jax
@@ -143,6 +144,33 @@ CASES = [
     }
 ]
 
+# The TPU compiles of most inner optimizers and the GPT-2-like tree's GPU
+# and TPU compiles take most of this file's time: they are collected where
+# OPTAX_EXT_FULL_MATRIX is set (`nox -s deviceless`); CI's 2 cores run the
+# rest, every inner optimizer on XLA:CPU and the GPU.
+FULL = bool(os.environ.get("OPTAX_EXT_FULL_MATRIX"))
+TPU_IN_CI = {"adamw", "lion", "clip+adamw", "MultiSteps(adamw, 2)"}
+
+
+def by_backend(cases):
+    """`backend,layout,inner,dtype` over `BACKENDS` and `cases`, the
+    GPU and TPU cases CI leaves out but with OPTAX_EXT_FULL_MATRIX."""
+
+    def collected(backend, layout, inner):
+        if backend == "cpu" or FULL:
+            return True
+        return layout != "gpt2-like" and (backend == "gpu" or inner in TPU_IN_CI)
+
+    return pytest.mark.parametrize(
+        "backend,layout,inner,dtype",
+        [
+            pytest.param(backend, *case.values, marks=case.marks)
+            for backend in BACKENDS
+            for case in cases
+            if collected(backend, *case.values[:2])
+        ],
+    )
+
 
 def _skip_unless(backend):
     why = unavailable(backend)
@@ -198,8 +226,7 @@ def _check(backend, layout, inner, dtype, form, weighted=False):
 
 
 @pytest.mark.parametrize("form", ["fused", "drop-in"])
-@pytest.mark.parametrize("layout,inner,dtype", CASES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@by_backend(CASES)
 def test_mini_step_runs_no_inner_optimizer(backend, layout, inner, dtype, form):
     """Every op of the inner optimizer is inside a conditional branch (and
     there are some: the check is not vacuous), and no params-leaf-shaped
@@ -277,8 +304,7 @@ def temp_bound(backend, inner, dtype, form, bare_temp, params_bytes):
 
 
 @pytest.mark.parametrize("form", ["fused", "drop-in"])
-@pytest.mark.parametrize("layout,inner,dtype", CASES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@by_backend(CASES)
 def test_temporary_memory_of_the_bare_step(backend, layout, inner, dtype, form):
     """Temporary memory at most the bare inner optimizer's train step's plus
     2% of the params' bytes (`temp_bound` says what more a chain that
@@ -295,8 +321,7 @@ def test_temporary_memory_of_the_bare_step(backend, layout, inner, dtype, form):
 
 
 @pytest.mark.parametrize("form", ["fused", "drop-in"])
-@pytest.mark.parametrize("layout,inner,dtype", CASES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@by_backend(CASES)
 def test_donated_buffers_are_handed_back(backend, layout, inner, dtype, form):
     """Every donated byte (params and state) comes back aliased."""
     _skip_unless(backend)
@@ -305,16 +330,14 @@ def test_donated_buffers_are_handed_back(backend, layout, inner, dtype, form):
 
 
 @pytest.mark.parametrize("emit", ["emit=False", "emit=True"])
-@pytest.mark.parametrize(
-    "layout,inner,dtype",
+@by_backend(
     [
         c
         for c in CASES
         if c.values[0] == "4 large"
         or (c.values[1] in ("adamw", "clip+adamw") and c.values[2] == "float32")
-    ],
+    ]
 )
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_host_chosen_steps_hold_no_conditional(backend, layout, inner, dtype, emit):
     """`apply_gradients(..., emit=)`: no conditional of its own on any
     backend (a nested MultiSteps keeps its own on the emitting step). The
