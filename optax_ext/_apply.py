@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import numpy as np
 import optax
 
 from ._transformations import (
@@ -16,15 +18,25 @@ from ._transformations import (
 )
 
 
-def _check_emit(emit: Any, optimizer: Any, found: Any) -> None:
-    """Raises unless `emit` is a Python bool and `found` (the optimizer's
-    `owner`) a `MultiSteps`."""
-    if not isinstance(emit, bool):
+def _host_emit(emit: Any, optimizer: Any, found: Any) -> bool:
+    """`emit` as a Python bool: a Python or NumPy bool (what
+    `step % k == k - 1` gives for a NumPy step), a host value. Raises for
+    anything else, and unless `found` (the optimizer's `owner`) is a
+    `MultiSteps`."""
+    numpy_bool = isinstance(emit, (np.bool_, np.ndarray)) and np.shape(emit) == ()
+    if not (isinstance(emit, bool) or (numpy_bool and emit.dtype == np.bool_)):
+        array = isinstance(emit, jax.Array)
         raise TypeError(
-            "optax_ext.apply_gradients: emit must be a Python bool chosen on the "
-            f"host (e.g. `step % k == k - 1`), or None, got {emit!r} of type "
-            f"{type(emit).__name__}: it chooses which program to compile, so it "
-            "cannot be traced."
+            "optax_ext.apply_gradients: emit must be a bool known on the host "
+            "(a Python or NumPy bool, e.g. `step % k == k - 1`), or None, got "
+            f"{emit!r} of type {type(emit).__name__}: it chooses which program "
+            "to compile"
+            + (
+                ", so it cannot be a JAX array (traced, or on a device: read "
+                "the loop's own step count instead)."
+                if array
+                else "."
+            )
         )
     if not getattr(found, "takes_emit", False):
         raise TypeError(
@@ -32,6 +44,7 @@ def _check_emit(emit: Any, optimizer: Any, found: Any) -> None:
             "optax_ext.MultiSteps window ends, so the optimizer must be one "
             f"(or its gradient_transformation()), got {optimizer!r}."
         )
+    return bool(emit)
 
 
 def apply_gradients(
@@ -76,8 +89,8 @@ def apply_gradients(
       where `params` holds no floating array).
     - `opt_state`: the optimizer's state.
     - `params`: the params (or Equinox model) to update.
-    - `emit`: for an `optax_ext.MultiSteps` only, a Python bool from a
-      training loop that knows on the host which step ends a window
+    - `emit`: for an `optax_ext.MultiSteps` only, a Python or NumPy bool
+      from a training loop that knows on the host which step ends a window
       (`step % k == k - 1`): `False` compiles a step that only
       accumulates, `True` one that accumulates and runs the inner
       optimizer on the window's mean, neither with a conditional. The host
@@ -87,6 +100,9 @@ def apply_gradients(
       skip functions and `axis_name` work as without it; a skipped step or
       a window of weight 0 leaves the params and the inner state as they
       were. `None` (the default): the window decides, in one conditional.
+      A loop resumed from a checkpoint must count from the state's
+      `mini_step`; `MultiSteps.emits_next(state)` tells whether the window
+      would end on the next step, to check the host's choice against.
     - `**extra_args`: passed to `update` (`skip=` for `skip_when`,
       `weight=` for `MultiSteps(weighted=True)`, `value=` for
       `optax.contrib.reduce_on_plateau`, ...).
@@ -111,7 +127,7 @@ def apply_gradients(
             return fused._apply_gradients(grads, opt_state, params, **extra_args)
         updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)
         return apply_updates(params, updates), opt_state
-    _check_emit(emit, optimizer, owner(optimizer))
+    emit = _host_emit(emit, optimizer, owner(optimizer))
     if fused is None:
         raise TypeError(
             "optax_ext.apply_gradients(emit=...): a Python number of `params` "

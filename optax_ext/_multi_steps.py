@@ -420,6 +420,36 @@ class MultiSteps(Configured):
         )
         return state._replace(acc_grads=acc)
 
+    def emits_next(
+        self, state: optax.MultiStepsState | WeightedMultiStepsState
+    ) -> bool:
+        """Whether the window ends on the next accepted mini-step, as
+        `every_k_schedule` says (`mini_step + 1 >= k`): on the host, for a
+        loop that passes `apply_gradients(..., emit=)`. After a resume, start
+        the loop's count from the state (`int(state.mini_step)`); a loop
+        whose `emit=` differs from this has lost count of the window.
+        Reads the counters off the device, so it is not for inside `jit`.
+
+        **Example:**
+
+        ```python
+        opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
+        state = opt.init(jnp.zeros(3))
+        assert not opt.emits_next(state)
+        _, state = opt.update(jnp.ones(3), state)
+        assert opt.emits_next(state)
+        ```
+        """
+        counters = (state.mini_step, state.gradient_step)
+        if any(isinstance(c, jax.core.Tracer) for c in counters):
+            raise TypeError(
+                "MultiSteps.emits_next reads the state's counters on the host; "
+                "call it outside jax.jit (it got traced counters)."
+            )
+        mini, gradient = (int(c) for c in jax.device_get(counters))
+        k = self._every_k_schedule(jnp.asarray(gradient, jnp.int32))
+        return bool(_window_complete(jnp.asarray(mini), jnp.asarray(k)))
+
     def has_updated(
         self, state: optax.MultiStepsState | WeightedMultiStepsState
     ) -> Bool[Array, ""]:

@@ -145,8 +145,13 @@ def test_skipped_emitting_step_and_weight_zero_window_leave_params():
 def test_emit_is_checked():
     opt = optax_ext.MultiSteps(optax.sgd(1.0), K)
     state = opt.init(PARAMS)
-    with pytest.raises(TypeError, match=r"emit must be a Python bool.*got Array"):
+    with pytest.raises(TypeError, match=r"emit must be a bool known on the host.*got"):
         optax_ext.apply_gradients(opt, PARAMS, state, PARAMS, emit=jnp.asarray(True))
+    with pytest.raises(TypeError, match=r"cannot be a JAX array"):
+        optax_ext.apply_gradients(opt, PARAMS, state, PARAMS, emit=jnp.asarray(True))
+    for wrong in (np.int64(1), 1, np.array([True]), "yes"):
+        with pytest.raises(TypeError, match=r"emit must be a bool known"):
+            optax_ext.apply_gradients(opt, PARAMS, state, PARAMS, emit=wrong)
     with pytest.raises(TypeError, match=r"emit= chooses .*MultiSteps"):
         tx = optax.sgd(1.0)
         optax_ext.apply_gradients(tx, PARAMS, tx.init(PARAMS), PARAMS, emit=True)
@@ -156,6 +161,62 @@ def test_emit_is_checked():
     # its gradient_transformation() is a MultiSteps too
     gt = opt.gradient_transformation()
     optax_ext.apply_gradients(gt, PARAMS, state, PARAMS, emit=False)
+
+
+def test_numpy_bools_choose_as_python_bools():
+    """`step % k == k - 1` with a NumPy step gives a NumPy bool: the same
+    results as the Python bool, for a mini-step and an emitting step."""
+    opt = optax_ext.MultiSteps(optax.adamw(1e-2), 2)
+    state = opt.init(PARAMS)
+    step = np.int64(1)
+    for t, python, numpy in [
+        (0, False, [np.bool_(False), np.asarray(False)]),
+        (1, True, [step % 2 == 1, np.asarray(True)]),
+    ]:
+        want = optax_ext.apply_gradients(opt, _grads(t), state, PARAMS, emit=python)
+        for emit in numpy:
+            got = optax_ext.apply_gradients(opt, _grads(t), state, PARAMS, emit=emit)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                np.testing.assert_array_equal(a, b)
+        state = want[1]
+    assert not np.array_equal(want[0]["w"], PARAMS["w"])
+
+
+def _host_loop(opt, params, state, steps, start, mini):
+    """The documented loop: the host counts the window's mini-steps from
+    `mini` and passes `emit=`; returns the params, the state and the steps
+    where `emits_next` disagreed with the host's choice."""
+    disagreed = []
+    for t in range(start, start + steps):
+        emit = mini == K - 1
+        if opt.emits_next(state) != emit:
+            disagreed.append(t)
+        params, state = _step(opt, params, state, _grads(t), emit)
+        mini = 0 if emit else mini + 1
+    return params, state, disagreed
+
+
+def test_resumed_host_loop_counts_from_the_state():
+    """A run stopped mid-window and resumed from its state (a checkpoint
+    round trip through NumPy): counting from `int(state.mini_step)`, it
+    equals the run that never stopped, bit for bit; restarting the count
+    at 0 (a step counter not checkpointed) closes a window of 2 and then
+    of 6, and `emits_next` flags the first disagreement."""
+    opt = optax_ext.MultiSteps(optax.adamw(1e-2), K)
+    whole, _, disagreed = _host_loop(opt, PARAMS, opt.init(PARAMS), 12, 0, 0)
+    assert disagreed == []
+
+    params, state, _ = _host_loop(opt, PARAMS, opt.init(PARAMS), 6, 0, 0)
+    params, state = jax.tree.map(jnp.asarray, jax.device_get((params, state)))
+    assert int(state.mini_step) == 2
+    resumed, _, disagreed = _host_loop(opt, params, state, 6, 6, int(state.mini_step))
+    assert disagreed == []
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    lost, _, disagreed = _host_loop(opt, params, state, 6, 6, 0)
+    assert disagreed[0] == 7  # the window's 4th mini-step, the host's 2nd
+    assert not np.allclose(lost["w"], whole["w"])
 
 
 @xla_cpu_only("compiled HLO of the host-chosen steps")
