@@ -182,6 +182,38 @@ def test_numpy_bools_choose_as_python_bools():
     assert not np.array_equal(want[0]["w"], PARAMS["w"])
 
 
+@pytest.mark.parametrize("inner", ["adam", "adafactor", "lion"])
+def test_host_chosen_steps_keep_every_state_aval(inner):
+    """Mixed bfloat16 and float32 params: after `emit=False` and
+    `emit=True` steps every state leaf keeps init's dtype, shape and weak
+    type (Adam's bfloat16 `mu` stays bfloat16 beside a float32 leaf), so
+    the jitted steps compile once each."""
+    tx = {"adam": optax.adam, "adafactor": optax.adafactor, "lion": optax.lion}
+    opt = optax_ext.MultiSteps(tx[inner](1e-2), 2)
+    params = {"w": PARAMS["w"].astype(jnp.bfloat16), "b": PARAMS["b"]}
+    state = opt.init(params)
+
+    def avals(tree):
+        return [
+            (x.shape, x.dtype, getattr(x, "weak_type", False))
+            for x in jax.tree.leaves(jax.tree.map(jax.typeof, tree))
+        ]
+
+    want = avals(state)
+    traces = []
+
+    @functools.partial(jax.jit, static_argnums=3)
+    def step(params, state, grads, emit):
+        traces.append(emit)
+        return optax_ext.apply_gradients(opt, grads, state, params, emit=emit)
+
+    for t in range(6):
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), _grads(t), params)
+        params, state = step(params, state, grads, t % 2 == 1)
+        assert avals(state) == want, t
+    assert sorted(traces) == [False, True]
+
+
 def _host_loop(opt, params, state, steps, start, mini):
     """The documented loop: the host counts the window's mini-steps from
     `mini` and passes `emit=`; returns the params, the state and the steps
