@@ -14,7 +14,7 @@ from _helpers import child_pytest
 TESTS = pathlib.Path(__file__).parent
 BUILD = (
     "python3.13 -m venv .venv-newest && .venv-newest/bin/pip install "
-    "-r tests/data/newest-requirements.txt -e '.[test]'"
+    "-r tests/data/newest-requirements.txt -e ."
 )
 # The compiled-structure (HLO) tests and the XLA:CPU cases of the whole
 # train step's memory: what a new XLA changes first. `nox -s newest` runs
