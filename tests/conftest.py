@@ -27,48 +27,20 @@ import pytest  # noqa: E402
 MULTIDEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 
 
-# The tests that run others in a child process, minutes each, longest first.
-RUNNERS = [
-    "test_deviceless_runner.py::test_gpu_and_tpu_compile_checks_pass",
-    "test_multidevice_runner.py::test_multidevice_tests_pass_on_8_cpu_devices",
-    "test_newest_jax_runner.py::test_compiled_checks_pass_with_the_newest_jax",
-    "test_deviceless_runner.py::test_sharded_checks_pass_with_jaxlib_0_11",
-]
-
-
-@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Multi-device tests run only in a process that has 8 devices; the main
-    run starts such a process in `test_multidevice_runner.py`. Under
-    pytest-xdist the runners start first, on different workers."""
+    run starts such a process in `test_multidevice_runner.py`."""
     marked = [item for item in items if item.get_closest_marker("multidevice")]
-    if marked and jax.device_count() < 8:
-        skip = pytest.mark.skip(
-            reason=f"needs 8 devices: run by test_multidevice_runner.py with "
-            f"XLA_FLAGS={MULTIDEVICE_FLAG}"
-        )
-        for item in marked:
-            item.add_marker(skip)
-    workers = getattr(config, "workerinput", {}).get("workercount")
-    if workers:
-        items[:] = runners_first(items, workers)
-
-
-def runners_first(items, workers):
-    """`items` with the runners at the heads of the first batches that
-    pytest-xdist's load scheduling sends its `workers` (each a quarter of
-    its share, consecutive): the j-th runner is the (j // workers)-th test
-    of worker j % workers' batch, so they start at once, not last on one
-    worker."""
-    runners = [item for name in RUNNERS for item in items if item.nodeid.endswith(name)]
-    order = [item for item in items if item not in runners]
-    batch = max(min(len(items) // workers // 4, len(items)), 2)
-    places = sorted(
-        ((j % workers) * batch + j // workers, item) for j, item in enumerate(runners)
+    if not marked:
+        return
+    if jax.device_count() >= 8:
+        return
+    skip = pytest.mark.skip(
+        reason=f"needs 8 devices: run by test_multidevice_runner.py with "
+        f"XLA_FLAGS={MULTIDEVICE_FLAG}"
     )
-    for place, item in places:
-        order.insert(min(place, len(order)), item)
-    return order
+    for item in marked:
+        item.add_marker(skip)
 
 
 @pytest.fixture(params=["conditional", "every step"])
