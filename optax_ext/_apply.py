@@ -11,10 +11,10 @@ import numpy as np
 import optax
 
 from ._transformations import (
-    apply_updates,
     check_transformation,
     fused_owner,
     owner,
+    step_and_apply,
 )
 
 
@@ -121,13 +121,10 @@ def apply_gradients(
     ```
     """
     check_transformation(optimizer, "optax_ext.apply_gradients: optimizer")
-    fused = fused_owner(optimizer, params, grads)
     if emit is None:
-        if fused is not None:
-            return fused._apply_gradients(grads, opt_state, params, **extra_args)
-        updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)
-        return apply_updates(params, updates), opt_state
+        return step_and_apply(optimizer, grads, opt_state, params, **extra_args)
     emit = _host_emit(emit, optimizer, owner(optimizer))
+    fused = fused_owner(optimizer, params, grads)
     if fused is None:
         raise TypeError(
             "optax_ext.apply_gradients(emit=...): a Python number of `params` "
