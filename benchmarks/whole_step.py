@@ -34,26 +34,36 @@ from _compiled import unavailable  # noqa: E402
 import optax_ext  # noqa: E402
 
 COLUMNS = ["bare", "optax", "drop-in", "fused", "emit=False", "emit=True"]
+MLP = "mlp 4 x (2048, 2048), batch 8"
+GPT = "gpt2-like, 2 layers of width 256"
+WIDE = "gpt2-like, 6 layers of width 512, sequence 128"
+# (model, dtype, inner, the accumulator_dtype of optax_ext's forms)
 CASES = [
-    ("mlp 4 x (2048, 2048), batch 8", "float32", "adamw"),
-    ("mlp 4 x (2048, 2048), batch 8", "float32", "lion"),
-    ("mlp 4 x (2048, 2048), batch 8", "float32", "clip+adamw"),
-    ("mlp 4 x (2048, 2048), batch 8", "bfloat16", "adamw"),
-    ("gpt2-like, 2 layers of width 256", "float32", "adamw"),
+    (MLP, "float32", "adamw", jnp.float32),
+    (MLP, "float32", "lion", jnp.float32),
+    (MLP, "float32", "clip+adamw", jnp.float32),
+    (MLP, "bfloat16", "adamw", jnp.float32),
+    (MLP, "bfloat16", "adamw", None),
+    (GPT, "float32", "adamw", jnp.float32),
+    (GPT, "float32", "clip+adamw", jnp.float32),
+    (WIDE, "float32", "adamw", jnp.float32),
+    (WIDE, "float32", "clip+adamw", jnp.float32),
 ]
 
 
 def _model(name, dtype):
-    if name.startswith("mlp"):
+    if name == MLP:
         return ts._mlp(dtype, width=2048, depth=4, batch=8)
+    if name == WIDE:
+        return ts._gpt(dtype, d=512, layers=6, heads=8, vocab=4096, seq=128)
     return ts._gpt(dtype)
 
 
-def ratio(backend, model, dtype, inner, form):
+def ratio(backend, model, dtype, inner, accumulator, form):
     params, loss, batch = _model(model, jnp.dtype(dtype))
     tx = ts.INNER[inner][0]()
     opt = {"bare": tx, "optax": optax.MultiSteps(tx, ts.K)}.get(form)
-    opt = opt or optax_ext.MultiSteps(tx, ts.K)
+    opt = opt or optax_ext.MultiSteps(tx, ts.K, accumulator_dtype=accumulator)
     state = jax.eval_shape(opt.init, params)
     step = ts.train_step(opt, form, loss, [])
     compiled = ts.compile_train_step(backend, step, params, state, batch, [])
@@ -88,8 +98,12 @@ def main():
             continue
         name = {"cpu": f"XLA:CPU (jax {jax.__version__})", "gpu": "H200"}
         name = name.get(backend, "TPU v5e")
-        for model, dtype, inner in CASES:
-            cells = [f"{ratio(backend, model, dtype, inner, f):.3f}" for f in COLUMNS]
+        for model, dtype, inner, acc in CASES:
+            cells = [
+                f"{ratio(backend, model, dtype, inner, acc, f):.3f}" for f in COLUMNS
+            ]
+            if acc is None:
+                inner += ", accumulator_dtype=None"
             row = f"| {name} | {model} | {dtype} | {inner} | " + " | ".join(cells)
             lines.append(row + " |")
             print(lines[-1], flush=True)

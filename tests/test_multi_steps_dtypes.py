@@ -159,6 +159,47 @@ def test_float16_running_mean_does_not_overflow(jit):
     np.testing.assert_array_equal(to_np(u), [-top, top])
 
 
+@pytest.mark.parametrize("apply", ["update", "apply_gradients"])
+def test_bfloat16_accumulator_runs_where_optax_multisteps_raises(apply):
+    """bfloat16 params accumulated in their own dtype (`accumulator_dtype=
+    None`, the way round the H200's open fused case in
+    docs/performance.md): optax 0.2.8's MultiSteps raises at its first
+    jitted update (its conditional's branches return the accumulator in
+    bfloat16 and float32); optax_ext's runs a window. Gradients 1, 2, 3,
+    4 have running means exact in bfloat16 (1, 1.5, 2, 2.5), so the window
+    gives Adam's update on 2.5, computed jitted by the bare optimizer."""
+    params = {"w": jnp.full((3,), 0.5, jnp.bfloat16)}
+    reference = optax.MultiSteps(optax.adam(1e-2), 4, accumulator_dtype=None)
+    with pytest.raises(TypeError, match="cond branches"):
+        jax.jit(reference.update)(params, reference.init(params), params)
+
+    opt = optax_ext.MultiSteps(optax.adam(1e-2), 4, accumulator_dtype=None)
+    state = opt.init(params)
+    assert state.acc_grads["w"].dtype == jnp.bfloat16
+
+    def step(p, s, g):
+        if apply == "update":
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+        return optax_ext.apply_gradients(opt, g, s, p)
+
+    step = jax.jit(step)
+    new = params
+    for v in (1.0, 2.0, 3.0, 4.0):
+        new, state = step(new, state, {"w": jnp.full((3,), v, jnp.bfloat16)})
+    bare = optax.adam(1e-2)
+
+    @jax.jit
+    def bare_step(p, g):
+        u, _ = bare.update(g, bare.init(p), p)
+        return optax.apply_updates(p, u)
+
+    want = bare_step(params, {"w": jnp.full((3,), 2.5, jnp.bfloat16)})
+    assert new["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(to_np(new["w"]), to_np(want["w"]))
+    assert not np.array_equal(to_np(new["w"]), to_np(params["w"]))
+
+
 def test_float16_sum_beyond_range_is_inf():
     """With `use_grad_mean=False` a sum beyond float16's range is inf, as
     documented (the mean of the same gradients is finite)."""
