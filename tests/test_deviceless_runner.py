@@ -71,8 +71,9 @@ def test_gpu_and_tpu_compile_checks_pass():
 
 
 def test_sharded_checks_pass_with_jaxlib_0_11():
-    """`test_sharded.py` on 8 simulated CPU devices with jax 0.11.2, where
-    whose XLA:CPU keeps orders that jaxlib 0.10's fusion undoes."""
+    """`test_sharded.py`'s structure and memory checks on 8 simulated CPU
+    devices with jax 0.11.2, whose XLA:CPU keeps orders that jaxlib 0.10's
+    fusion undoes."""
     python = _python_or_skip()
     env = dict(
         os.environ,
@@ -80,9 +81,18 @@ def test_sharded_checks_pass_with_jaxlib_0_11():
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
     )
     env.pop("OPTAX_EXT_DEVICELESS", None)
+    # The structure and memory checks, whose outcome depends on the XLA;
+    # the values (`test_sharded_step_equals_*`, `..._equals_the_full_batch`)
+    # are checked with the main run's jax.
     summary = child_pytest(
         python,
-        ["-n", "2", str(TESTS / "test_sharded.py")],
+        [
+            "-n",
+            "2",
+            "-k",
+            "keeps_buffers or no_more_memory or come_back_whole",
+            str(TESTS / "test_sharded.py"),
+        ],
         env,
         "sharded checks with jax 0.11",
     )

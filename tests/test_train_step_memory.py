@@ -161,6 +161,10 @@ EXTENDED = {
     ("mlp", "lion", "bfloat16"),
 }
 FULL = bool(os.environ.get("OPTAX_EXT_FULL_MATRIX"))
+# XLA:TPU needs no temporaries for these steps but with clip+adamw (and
+# then less than optax.MultiSteps): CI compiles its cases of the inner
+# optimizers that differ in kind, the rest where FULL.
+TPU_IN_CI = {"adamw", "clip+adamw"}
 
 
 def _skip_unless(backend):
@@ -255,7 +259,12 @@ def temp_ratio(backend, model, inner, dtype, form, accumulator="float32"):
         pytest.param(backend, *case.values, marks=case.marks)
         for backend in BACKENDS
         for case in CASES
-        if backend == "cpu" or FULL or tuple(case.values) not in EXTENDED
+        if backend == "cpu"
+        or FULL
+        or (
+            tuple(case.values) not in EXTENDED
+            and (backend == "gpu" or case.values[1] in TPU_IN_CI)
+        )
     ],
 )
 def test_no_more_memory_than_optax_multisteps(backend, model, inner, dtype, form):
@@ -290,7 +299,7 @@ def test_no_more_memory_than_optax_multisteps(backend, model, inner, dtype, form
         )
         for backend in BACKENDS
         for inner in ("adamw", "lion")
-        if backend == "cpu" or FULL or inner == "adamw"
+        if backend == "cpu" or FULL or (backend, inner) == ("gpu", "adamw")
     ],
 )
 def test_bfloat16_accumulator_keeps_every_form_within_the_bound(backend, inner, form):
