@@ -27,9 +27,7 @@ def main() -> None:
     n, shape = LAYOUTS[layout]
     params, grads = params_and_grads({f"w{i:03d}": shape for i in range(n)}, "float32")
     candidates = steps(inner, emit=False)
-    runners = {
-        name: Runner(*candidates[name], params, grads, (0, 1)) for name in NAMES
-    }
+    runners = {name: Runner(*candidates[name], params, grads, (0, 1)) for name in NAMES}
     time_interleaved(list(runners.values()), rounds)
     print(f"{machine()}; {inner}, {layout}, float32, {rounds} rounds (mini-steps)")
     quarter = rounds // 4
