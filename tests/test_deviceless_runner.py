@@ -81,9 +81,9 @@ def test_sharded_checks_pass_with_jaxlib_0_11():
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
     )
     env.pop("OPTAX_EXT_DEVICELESS", None)
-    # The structure and memory checks, whose outcome depends on the XLA;
-    # the values (`test_sharded_step_equals_*`, `..._equals_the_full_batch`)
-    # are checked with the main run's jax.
+    # The structure and memory checks (and the per-example outputs' test),
+    # whose outcome depends on the XLA; the values (`..._equals_*`) are
+    # checked with the main run's jax.
     summary = child_pytest(
         python,
         [

@@ -161,8 +161,8 @@ EXTENDED = {
     ("mlp", "lion", "bfloat16"),
 }
 FULL = bool(os.environ.get("OPTAX_EXT_FULL_MATRIX"))
-# XLA:TPU needs no temporaries for these steps but with clip+adamw (and
-# then less than optax.MultiSteps): CI compiles its cases of the inner
+# On the MLP XLA:TPU needs no temporaries but with clip+adamw (and then
+# less than optax.MultiSteps): CI compiles its cases of the inner
 # optimizers that differ in kind, the rest where FULL.
 TPU_IN_CI = {"adamw", "clip+adamw"}
 
