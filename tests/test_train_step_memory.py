@@ -252,6 +252,13 @@ def temp_ratio(backend, model, inner, dtype, form, accumulator="float32"):
     return compiled.memory_analysis().temp_size_in_bytes / _bytes(params)
 
 
+def _assert_within_bound(form, got, optax_, bare):
+    assert got <= max(optax_, bare) + SLACK, (
+        f"{form}: {got:.3f}x the params; optax.MultiSteps {optax_:.3f}x, "
+        f"bare {bare:.3f}x"
+    )
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize(
     "backend,model,inner,dtype",
@@ -284,10 +291,7 @@ def test_no_more_memory_than_optax_multisteps(backend, model, inner, dtype, form
             f"open (docs/performance.md): {form} {got:.3f}x the params; "
             f"optax.MultiSteps {optax_:.3f}x, bare {bare:.3f}x"
         )
-    assert got <= max(optax_, bare) + SLACK, (
-        f"{form}: {got:.3f}x the params; optax.MultiSteps {optax_:.3f}x, "
-        f"bare {bare:.3f}x"
-    )
+    _assert_within_bound(form, got, optax_, bare)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -315,10 +319,7 @@ def test_bfloat16_accumulator_keeps_every_form_within_the_bound(backend, inner, 
     got = temp_ratio(*case, form, accumulator="gradients")
     optax_ = temp_ratio(*case, "optax")
     bare = temp_ratio(*case, "bare")
-    assert got <= max(optax_, bare) + SLACK, (
-        f"{form}: {got:.3f}x the params; optax.MultiSteps {optax_:.3f}x, "
-        f"bare {bare:.3f}x"
-    )
+    _assert_within_bound(form, got, optax_, bare)
 
 
 @functools.cache
