@@ -17,9 +17,10 @@ BUILD = (
     "-r tests/data/newest-requirements.txt -e ."
 )
 # The compiled-structure (HLO) tests and the XLA:CPU cases of the whole
-# train step's memory: what a new XLA changes first. `nox -s newest` runs
+# train step's memory: what a new XLA changes first; and that the suite's
+# fast XLA:CPU compile gives XLA's default program. `nox -s newest` runs
 # the whole suite on the newest releases.
-FILES = ["test_hlo.py", "test_train_step_memory.py"]
+FILES = ["test_hlo.py", "test_train_step_memory.py", "test_compile_options.py"]
 
 
 def _python() -> pathlib.Path | None:
@@ -46,6 +47,8 @@ def test_compiled_checks_pass_with_the_newest_jax():
             "loadgroup",
             "-k",
             "cpu or not (gpu or tpu)",
+            "-m",
+            "not multidevice",
             *(str(TESTS / f) for f in FILES),
         ],
         env,
