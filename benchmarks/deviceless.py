@@ -117,19 +117,22 @@ def _fsdp_section(backends: list[str]) -> list[str]:
         "sharded alike (`test_fsdp_step_per_device`). A cell: all-gathers / "
         "copies of a shard or a gathered leaf / temporary memory over the "
         "per-device params. `plain cond`: the bare step inside one "
-        "`lax.cond`.",
+        "`lax.cond`. `out_shardings given`: `jax.jit(..., out_shardings=)` "
+        "the new params and state as they came, as FSDP loops give them; "
+        "elsewhere the partitioner chooses.",
         "",
         "| backend | partitioner, mesh axis | bare | plain cond | fused | "
         "drop-in | emit=False | emit=True |",
         "|---|---|---|---|---|---|---|---|",
     ]
     settings = {
-        "Shardy, Auto": (True, False),
-        "Shardy, Explicit": (True, True),
-        "GSPMD, Auto": (False, False),
+        "Shardy, Auto": (True, False, False),
+        "Shardy, Auto, out_shardings given": (True, False, True),
+        "Shardy, Explicit": (True, True, False),
+        "GSPMD, Auto": (False, False, False),
     }
     for backend in backends:
-        for name, (shardy, explicit) in settings.items():
+        for name, (shardy, explicit, pinned) in settings.items():
             cells = []
             for form in (
                 "bare",
@@ -139,7 +142,7 @@ def _fsdp_section(backends: list[str]) -> list[str]:
                 "emit=False",
                 "emit=True",
             ):
-                got = t._fsdp(backend, form, shardy, explicit)
+                got = t._fsdp(backend, form, shardy, explicit, pinned)
                 copies = len(got["copies"]) + len(got["branch_copies"])
                 cells.append(
                     f"{got['gathers']} / {copies} / "

@@ -147,9 +147,10 @@ CASES = [
 # The TPU compiles of most inner optimizers and the GPT-2-like tree's GPU
 # and TPU compiles take most of this file's time: they are collected where
 # OPTAX_EXT_FULL_MATRIX is set (`nox -s deviceless`); CI's 2 cores run the
-# rest, every inner optimizer on XLA:CPU and the GPU.
+# rest, every inner optimizer on XLA:CPU and the GPU; on the TPU one of
+# each kind (elementwise, a reduction, a nested conditional).
 FULL = bool(os.environ.get("OPTAX_EXT_FULL_MATRIX"))
-TPU_IN_CI = {"adamw", "lion", "clip+adamw", "MultiSteps(adamw, 2)"}
+TPU_IN_CI = {"adamw", "clip+adamw", "MultiSteps(adamw, 2)"}
 
 
 def by_backend(cases):
@@ -423,12 +424,13 @@ def _plain_cond_step(tx):
 
 
 @functools.cache
-def _fsdp(backend, form, shardy=True, explicit=False):
+def _fsdp(backend, form, shardy=True, explicit=False, pinned=False):
     """Adam-W's train step on 4 large leaves, params, state and gradients
     split on their first axis over 4 devices of `backend` under `jax.jit`
     (FSDP), compiled (partitioned by Shardy, or by GSPMD; the mesh axis
-    `Auto`, or `Explicit`: the sharding in the arrays' types): its report,
-    per device."""
+    `Auto`, or `Explicit`: the sharding in the arrays' types; `pinned`:
+    `out_shardings` those of the params and state given): its report, per
+    device."""
     devices = mesh(backend, 4)
     if explicit:
         devices = jax.sharding.Mesh(
@@ -450,13 +452,15 @@ def _fsdp(backend, form, shardy=True, explicit=False):
 
         return jax.tree.map(one, tree)
 
+    args = shaped(params), shaped(jax.eval_shape(init, params)), shaped(params)
+    out_shardings = jax.tree.map(lambda a: a.sharding, args[:2]) if pinned else None
     default = jax.config.jax_use_shardy_partitioner
     jax.config.update("jax_use_shardy_partitioner", shardy)
     try:
         with jax.set_mesh(devices):
-            lowered = jax.jit(step, donate_argnums=(0, 1)).lower(
-                shaped(params), shaped(jax.eval_shape(init, params)), shaped(params)
-            )
+            lowered = jax.jit(
+                step, donate_argnums=(0, 1), out_shardings=out_shardings
+            ).lower(*args)
         compiled = lowered.compile()
     finally:
         jax.config.update("jax_use_shardy_partitioner", default)
@@ -464,42 +468,62 @@ def _fsdp(backend, form, shardy=True, explicit=False):
     out = report(compiled, {"[256,1024]", "[1024,1024]"}, ("sqrt",))
     out["gathers"] = len(re.findall(r" all-gather(?:-start)?\(", compiled.as_text()))
     out["per_device"] = _bytes(params) // 4
+    returned = jax.tree.leaves(compiled.output_shardings[0])
+    out["replicated_params"] = sum(x.is_fully_replicated for x in returned)
     return out
 
 
-@pytest.mark.parametrize(
-    "shardy,explicit",
-    [(True, False), (True, True), (False, False)],
-    ids=["shardy", "shardy-explicit", "gspmd"],
-)
+# (partitioner and mesh axis, out_shardings given): the case where they
+# matter (Shardy, an Auto axis) is compiled for the TPU where FULL.
+FSDP_SETTINGS = {
+    "shardy": (True, False, False),
+    "shardy-out_shardings": (True, False, True),
+    "shardy-explicit": (True, True, False),
+    "gspmd": (False, False, False),
+}
+
+
 @pytest.mark.parametrize("form", ["fused", "drop-in", "emit=False", "emit=True"])
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+@pytest.mark.parametrize(
+    "backend,shardy,explicit,pinned",
+    [
+        pytest.param(backend, *setting, id=f"{backend}-{name}")
+        for backend in ("gpu", "tpu")
+        for name, setting in FSDP_SETTINGS.items()
+        if FULL or backend == "gpu" or not setting[2]
+    ],
+)
 @pytest.mark.xdist_group("fsdp")
-def test_fsdp_step_per_device(backend, form, shardy, explicit):
+def test_fsdp_step_per_device(backend, form, shardy, explicit, pinned):
     """FSDP under `jax.jit` on 4 devices: no all-gather, no copy of a
     shard or a gathered leaf, and per device the temporary memory of the
     bare step plus 2% of the params per device (plus the drop-in's zero
     updates), partitioned by Shardy (JAX's default) or GSPMD, the mesh
     axis `Auto` or `Explicit` (`jax.make_mesh`'s default from jax 0.11).
-    XLA:GPU under Shardy with an `Auto` axis gathers the conditional's
-    operands in the emitting branch instead, as it does for a plain
-    `lax.cond` around the bare step: measured, marked, documented
-    (docs/performance.md); the host-chosen steps meet it."""
+    XLA:GPU under Shardy with an `Auto` axis and the output shardings
+    left to the partitioner gathers the conditional's operands in the
+    emitting branch and returns the params replicated, as it does for a
+    plain `lax.cond` around the bare step: measured, marked, documented
+    (docs/performance.md). With `out_shardings` given (`pinned`), as
+    FSDP training loops give them, it meets the bound."""
     _skip_unless(backend)
-    got = _fsdp(backend, form, shardy, explicit)
-    bare = _fsdp(backend, "bare", shardy, explicit)
+    got = _fsdp(backend, form, shardy, explicit, pinned)
+    bare = _fsdp(backend, "bare", shardy, explicit, pinned)
     slack = 1.02 if form == "drop-in" else 0.02
     bound = bare["temp"] + slack * got["per_device"]
     ok = got["gathers"] == 0 and got["temp"] <= bound
-    auto_shardy_gpu = shardy and not explicit and backend == "gpu"
-    if not ok and auto_shardy_gpu and form in ("fused", "drop-in"):
+    free_auto_shardy_gpu = shardy and not (explicit or pinned) and backend == "gpu"
+    if not ok and free_auto_shardy_gpu and form in ("fused", "drop-in"):
         plain = _fsdp(backend, "plain cond", shardy, explicit)
         pytest.xfail(
-            f"XLA:GPU (Shardy, Auto axis) gathers in the emitting branch: "
-            f"{got['gathers']} all-gathers, {got['temp'] / got['per_device']:.2f}x "
-            f"per device; a plain lax.cond around the bare step: "
+            f"XLA:GPU (Shardy, Auto axis, out_shardings not given) gathers in "
+            f"the emitting branch: {got['gathers']} all-gathers, "
+            f"{got['temp'] / got['per_device']:.2f}x per device, "
+            f"{got['replicated_params']} of 4 params leaves returned "
+            f"replicated; a plain lax.cond around the bare step: "
             f"{plain['gathers']}, {plain['temp'] / plain['per_device']:.2f}x"
         )
+    assert got["replicated_params"] == 0, got
     assert got["conditionals"] == (form == "fused"), got
     assert got["gathers"] == 0, got
     assert got["copies"] == [] and got["branch_copies"] == [], got
