@@ -190,16 +190,6 @@ def test_sharded_step_keeps_buffers_in_place(layout, name, mode):
             elements = np.prod([int(d) for d in dims.split(",") if d])
             assert op == "all-reduce" and elements == 1, (form, shape, op)
     fused, drop_in = temp["apply_gradients"], temp["update"]
-    over = fused > 0.1 * per_device or drop_in > 1.01 * per_device
-    if over and cpu_before_jaxlib_0_11():
-        # XLA:CPU before jaxlib 0.11, measured and
-        # documented (docs/performance.md, "On GPUs and TPUs"): with params
-        # sharded under `jit` XLA:CPU needs temporaries for the fused step
-        # (0.75x to 1.00x the per-device params for Adam; 0.00 at eb4e737).
-        pytest.xfail(
-            f"sharded under jit: fused {fused / per_device:.2f}x, drop-in "
-            f"{drop_in / per_device:.2f}x the per-device params"
-        )
     # The zero updates, and a few hundred bytes of tables (under 1%).
     assert drop_in <= 1.01 * per_device, (drop_in / per_device, fused / per_device)
     assert fused <= 0.1 * per_device, fused / per_device
@@ -220,10 +210,6 @@ def test_sharded_step_without_a_mesh_set_keeps_buffers_in_place(name):
         if copies and name == "lion" and cpu_before_jaxlib_0_11():
             pytest.xfail(f"sharded under jit: Lion's {form} step copies `mu`")
         assert _large_copies(compiled.as_text()) == [], form
-    if (
-        temp["apply_gradients"] > 0.1 or temp["update"] > 1.01
-    ) and cpu_before_jaxlib_0_11():
-        pytest.xfail(f"sharded under jit (docs/performance.md): {temp}")
     assert temp["apply_gradients"] <= 0.1 and temp["update"] <= 1.01, temp
 
 
