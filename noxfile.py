@@ -25,13 +25,16 @@ MIN_PINNED = ["jax", "jaxlib", "optax", "equinox", "chex"]
 TEST_ENV = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
 
 
-def _run_tests(session: nox.Session) -> None:
+def _run_tests(session: nox.Session, xla_defaults: bool = False) -> None:
     """The README test command. It runs the multi-device tests too, once, in a
     child process with 8 host devices (tests/test_multidevice_runner.py).
+    `xla_defaults`: XLA:CPU compiles at its default level, not the suite's
+    -O0 (tests/conftest.py).
 
     Extra pytest arguments go after `--`: `nox -s tests -- -k multi_steps`.
     """
-    session.run("pytest", "-n", "2", "tests", *session.posargs, env=TEST_ENV)
+    env = dict(TEST_ENV, OPTAX_EXT_XLA_DEFAULTS="1") if xla_defaults else TEST_ENV
+    session.run("pytest", "-n", "2", "tests", *session.posargs, env=env)
 
 
 def _minimum_versions() -> list[str]:
@@ -106,12 +109,13 @@ def minversions(session: nox.Session) -> None:
 @nox.session(python=NEWEST_PYTHON)
 def newest(session: nox.Session) -> None:
     # The newest releases of every dependency, so that a JAX release that
-    # breaks a fast path shows up here before users see it.
+    # breaks a fast path shows up here before users see it; compiled as
+    # users compile, at XLA's default level.
     session.install(
         "--upgrade", "--upgrade-strategy", "eager", "-e", ".[test,examples]"
     )
     session.run("pip", "list")
-    _run_tests(session)
+    _run_tests(session, xla_defaults=True)
 
 
 @nox.session(python=PYTHON)

@@ -7,7 +7,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Several test processes (pytest -n) share one GPU: allocate as needed.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# XLA:CPU's LLVM back end at -O0 compiles a fifth faster, to the same
+# XLA:CPU's LLVM back end at -O0 compiles a sixth faster, to the same
 # optimized HLO and buffers (test_compile_options.py checks that on each
 # JAX the suite runs). Not where the GPU and TPU compiles run, nor with
 # OPTAX_EXT_XLA_DEFAULTS set (docs/contributing.md).
