@@ -10,6 +10,14 @@ train step's cases run in `CASES`' order, each program compiled once before any
 is timed; the run ends at `--budget` with the report of what it measured.
 `--quick` runs every step and table of one case on tiny shapes, no suite.
 
+The whole train step comes first: a loss, `jax.grad` and each form's step
+in one `jax.jit` (params and state donated, the batch an argument), on an MLP
+of 4 x (2048, 2048) with a batch of 8, float32 and bfloat16: its time per
+step over windows of 4 (host loop), its temporary memory and its compiled
+peak (arguments + outputs not aliased + temporaries, `memory_analysis()`),
+against optax.MultiSteps and the bare optimizer's step; and the device's
+peak after it (`memory_stats()`).
+
 What the report's train-step tables hold:
 
 Each step is a train step jitted with params and optimizer state donated, the
@@ -40,8 +48,9 @@ once, in a shuffled order. The columns:
 - step / floor: this mini-step's time over its floor's, scan / host;
 - goal: what this step should reach; met: whether it does, scan / host;
 - temporary MiB: what XLA allocates for one compiled step beyond its arguments
-  (`memory_analysis()`): a window's step (as much as a mini-step's or an
-  emitting step's: one program holds both branches), or a floor's mini-step;
+  (`memory_analysis()`), the gradients passed in: a window's step (as much as
+  a mini-step's or an emitting step's: one program holds both branches), or a
+  floor's mini-step;
 - / optax: that over optax.MultiSteps' (below 1: less memory).
 """
 
@@ -103,6 +112,128 @@ for _step in ("ext", "ext fused", "host-chosen"):
 CASES = ["gpt2-small:float32", "large:float32", "large:bfloat16", "gpt2-small:bfloat16"]
 LEGEND = __doc__.split("train-step tables hold:\n\n")[1]
 INNER = functools.partial(optax.adamw, 1e-4)
+# The whole train step: its dtypes, in priority order.
+WHOLE_CASES = ["float32", "bfloat16"]
+
+
+def mlp(dtype: str, quick: bool):
+    """Params, loss and batch of a params-dominated model (the tests'
+    whole-step MLP): square tanh layers, a batch of 8."""
+    width, depth = (128, 2) if quick else (2048, 4)
+    keys = jax.random.split(jax.random.key(0), depth)
+    params = {
+        f"w{i}": (jax.random.normal(k, (width, width)) / width**0.5).astype(dtype)
+        for i, k in enumerate(keys)
+    }
+
+    def loss(p, x):
+        h = x
+        for i in range(depth):
+            h = jnp.tanh(h @ p[f"w{i}"])
+        return jnp.mean(jnp.square(h.astype(jnp.float32)))
+
+    return params, loss, jnp.ones((8, width), dtype)
+
+
+def whole_steps(loss, dtype: str) -> dict:
+    """form -> (init, a window's steps), each `step(params, state, batch)`
+    computing the gradients itself."""
+    tx, opt = INNER(), optax.MultiSteps(INNER(), WINDOW)
+    ext = optax_ext.MultiSteps(INNER(), WINDOW)
+
+    def drop_in(opt):
+        def step(params, state, batch):
+            updates, state = opt.update(jax.grad(loss)(params, batch), state, params)
+            return optax.apply_updates(params, updates), state
+
+        return step
+
+    def applied(opt, emit=None):
+        def step(params, state, batch):
+            grads = jax.grad(loss)(params, batch)
+            return optax_ext.apply_gradients(opt, grads, state, params, emit=emit)
+
+        return step
+
+    steps = {
+        "bare": (tx.init, [drop_in(tx)] * WINDOW),
+        "optax": (opt.init, [drop_in(opt)] * WINDOW),
+        "drop-in": (ext.init, [drop_in(ext)] * WINDOW),
+        "fused": (ext.init, [applied(ext)] * WINDOW),
+        "host-chosen": (
+            ext.init,
+            [applied(ext, False)] * (WINDOW - 1) + [applied(ext, True)],
+        ),
+    }
+    if dtype == "bfloat16":
+        ext = optax_ext.MultiSteps(INNER(), WINDOW, accumulator_dtype=None)
+        steps["fused, accumulator_dtype=None"] = (ext.init, [applied(ext)] * WINDOW)
+    return steps
+
+
+def whole_case(dtype: str, quick: bool, n_steps: int, rounds: int) -> dict:
+    """ms per step over windows of 4 (host loop), temporary and compiled
+    peak MiB of each form's whole train step, and the device's peak."""
+    params, loss, batch = mlp(dtype, quick)
+    steps = whole_steps(loss, dtype)
+    compiled = {}
+    for init, window in steps.values():
+        for step in window:
+            if step not in compiled:
+                state = jax.eval_shape(init, params)
+                jitted = jax.jit(step, donate_argnums=(0, 1))
+                compiled[step] = jitted.lower(params, state, batch).compile()
+
+    def timer(programs: list, buffers: list):
+        def call() -> float:
+            t0 = time.perf_counter()
+            for program in programs:
+                buffers[:] = program(*buffers, batch)
+            jax.block_until_ready(buffers)
+            return time.perf_counter() - t0
+
+        return call
+
+    calls = {}
+    for name, (init, window) in steps.items():
+        copy = jax.tree.map(jnp.copy, params)
+        programs = [compiled[step] for step in window] * (n_steps // WINDOW)
+        calls[name] = timer(programs, [copy, init(copy)])
+    times = {name: [call()] for name, call in calls.items()}  # warm-up
+    order, rng = list(calls), random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            times[name].append(calls[name]())
+
+    def mib(step, peak: bool) -> float:
+        m = compiled[step].memory_analysis()
+        held = m.argument_size_in_bytes + m.output_size_in_bytes
+        return (m.temp_size_in_bytes + (held - m.alias_size_in_bytes) * peak) / 2**20
+
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    return {
+        "ms": {name: 1e3 * median(t[1:]) / n_steps for name, t in times.items()},
+        "temp_mib": {n: max(mib(s, False) for s in w) for n, (_, w) in steps.items()},
+        "peak_mib": {n: max(mib(s, True) for s in w) for n, (_, w) in steps.items()},
+        "device_peak_gib": None if peak is None else round(peak / 2**30, 2),
+    }
+
+
+def whole_table(case: dict) -> list[str]:
+    lines = [
+        "| form | ms per step | optax / form | temporary MiB | / optax "
+        "| compiled peak MiB | / optax |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ms, temp, peak = case["ms"], case["temp_mib"], case["peak_mib"]
+    for name in ms:
+        lines.append(
+            f"| {name} | {_fmt(ms[name], 3)} | {_fmt(_div(ms['optax'], ms[name]))} "
+            f"| {_fmt(temp[name])} | {_fmt(_div(temp[name], temp['optax']))} "
+            f"| {_fmt(peak[name])} | {_fmt(_div(peak[name], peak['optax']))} |"
+        )
+    return [*lines, ""]
 
 
 def run_suite(timeout_s: float, platform_name: str) -> dict:
@@ -292,7 +423,29 @@ def render(report: dict) -> str:
         lines += [f"**{suite['summary']}** ({suite['seconds']:.0f} s)", ""]
         shown = suite["failures"] or suite["tail"]
         lines += ["```text", *shown, "```", ""] if shown else []
-    lines += ["## Train step", ""]
+    whole = report.get("whole_step")
+    lines += ["## Whole train step", ""]
+    if not whole:
+        lines += ["Not run.", ""]
+    else:
+        cfg = whole["config"]
+        lines += [
+            "Loss, `jax.grad` and the step in one `jax.jit`, params and state "
+            f"donated, inner {cfg['inner']}: ms per step over windows of {WINDOW} "
+            f"({cfg['steps']} steps a call, host loop, median of {cfg['rounds']} "
+            "interleaved rounds); temporary MiB and compiled peak MiB (arguments "
+            "+ outputs not aliased + temporaries) from `memory_analysis()`.",
+            "",
+        ]
+    for key, case in (whole or {}).get("cases", {}).items():
+        lines += [f"### {key}", ""]
+        if "ms" not in case:
+            lines += [f"Not run: {case.get('skipped', 'cut off')}.", ""]
+            continue
+        lines += whole_table(case)
+        peak = _fmt(case["device_peak_gib"], 2)
+        lines += [f"Device peak after this case, in GiB: {peak}.", ""]
+    lines += ["## Train step, gradients passed in", ""]
     lines += [LEGEND if bench else "Not run.\n"]
     cfg = (bench or {}).get("config")
     for key, case in (bench or {}).get("cases", {}).items():
@@ -308,7 +461,7 @@ def render(report: dict) -> str:
         ]
         for mode in MODES:
             lines += time_table(case["ms"][mode], mode)
-        lines += ["Memory of the whole train step against optax.MultiSteps:", ""]
+        lines += ["Temporary memory of each step against optax.MultiSteps:", ""]
         lines += ["| step | temporary MiB | / optax |", "|---|---|---|"]
         mib = case["temp_mib"]
         for name in CANDIDATES + FLOORS:
@@ -358,7 +511,8 @@ def main() -> None:
             print(render(report), f"wrote {out / name}.md and .json", sep="\n")
 
     def cut_off() -> None:  # at the budget, even inside a compile: what is done
-        for case in report.get("bench", {}).get("cases", {}).values():
+        parts = [report.get(part, {}) for part in ("whole_step", "bench")]
+        for case in [c for part in parts for c in part.get("cases", {}).values()]:
             if "ms" not in case:
                 case.setdefault("skipped", "the time budget (--budget) ended")
         try:
@@ -374,8 +528,22 @@ def main() -> None:
         timeout = max(1, min(args.suite_timeout, args.budget - 20))
         report["suite"] = run_suite(timeout, args.suite_platform)
         write()
+    config = {"steps": n_steps, "rounds": rounds, "inner": "optax.adamw(1e-4)"}
     if not args.suite_only:
-        config = {"steps": n_steps, "rounds": rounds, "inner": "optax.adamw(1e-4)"}
+        whole: dict = {}
+        report["whole_step"] = {"config": config, "cases": whole}
+        size = "2 x (128, 128), scaled down" if args.quick else "4 x (2048, 2048)"
+        for dtype in WHOLE_CASES[: 1 if args.quick else None]:
+            key = f"MLP of {size}, batch 8, {dtype}"
+            print(f"whole train step, {key}:", flush=True)
+            whole[key] = {}
+            try:
+                whole[key] = whole_case(dtype, args.quick, n_steps, rounds)
+            except Exception as error:  # report it; the other parts may run
+                whole[key]["skipped"] = f"failed: {type(error).__name__}: {error}"
+                print(f"  {whole[key]['skipped']}", flush=True)
+            write()
+    if not args.suite_only:
         skip = {"skipped": "not selected (--case, or --quick)"}
         cases = {label(c, args.quick): {} if c in chosen else skip for c in CASES}
         report["bench"] = {"config": config, "cases": cases}

@@ -20,8 +20,9 @@ def test_quick_run_times_and_sizes_every_step_and_writes_its_report(tmp_path):
     """One case: every step and floor timed both ways (inside one `lax.scan`,
     and in a host loop) as a mini-step, an emitting step and a window, and
     the temporary memory of each compiled step; the other cases reported as
-    not run; the report written as Markdown, its tables titled by what they
-    measure, and as JSON."""
+    not run; the whole train step (loss and `jax.grad` inside) of each form
+    timed over windows and sized; the report written as Markdown, its
+    tables titled by what they measure, and as JSON."""
     run = subprocess.run(
         [
             sys.executable,
@@ -57,7 +58,16 @@ def test_quick_run_times_and_sizes_every_step_and_writes_its_report(tmp_path):
         "Time per mini-step:",
         "Time per emitting step:",
         "Time per step over a window of 4:",
-        "Memory of the whole train step against optax.MultiSteps:",
+        "Temporary memory of each step against optax.MultiSteps:",
+        "## Whole train step",
     ):
         assert title in text, title
+    (whole,) = json.loads(report.read_text())["whole_step"]["cases"].items()
+    assert whole[0] == "MLP of 2 x (128, 128), scaled down, batch 8, float32"
+    forms = ("bare", "optax", "drop-in", "fused", "host-chosen")
+    for key in ("ms", "temp_mib", "peak_mib"):
+        assert tuple(whole[1][key]) == forms, (key, whole[1][key])
+    assert all(t > 0 for t in whole[1]["ms"].values()), whole[1]["ms"]
+    for form in forms:
+        assert whole[1]["peak_mib"][form] > whole[1]["temp_mib"][form] >= 0, form
     assert "issue" not in text.lower()
