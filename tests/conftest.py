@@ -9,14 +9,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # XLA:CPU's LLVM back end at -O0 compiles a sixth faster, to the same
 # optimized HLO and buffers (test_compile_options.py checks that on each
-# JAX the suite runs). Not where the GPU and TPU compiles run, nor with
-# OPTAX_EXT_XLA_DEFAULTS set (docs/contributing.md).
+# JAX the suite runs at -O0). Not where the GPU and TPU compiles run, nor
+# with OPTAX_EXT_XLA_DEFAULTS set, nor where XLA_FLAGS names a level
+# (docs/contributing.md).
 FAST_CPU_FLAG = "--xla_backend_optimization_level=0"
 if (
     os.environ["JAX_PLATFORMS"] == "cpu"
     and os.environ.get("OPTAX_EXT_DEVICELESS") != "here"
     and not os.environ.get("OPTAX_EXT_XLA_DEFAULTS")
-    and FAST_CPU_FLAG not in os.environ.get("XLA_FLAGS", "")
+    and FAST_CPU_FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", "")
 ):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_CPU_FLAG}"
 

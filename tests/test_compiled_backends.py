@@ -148,9 +148,10 @@ CASES = [
 # and TPU compiles take most of this file's time: they are collected where
 # OPTAX_EXT_FULL_MATRIX is set (`nox -s deviceless`); CI's 2 cores run the
 # rest, every inner optimizer on XLA:CPU and the GPU; on the TPU one of
-# each kind (elementwise, a reduction, a nested conditional).
+# each kind (elementwise, a state the updates read old, a reduction, a
+# nested conditional).
 FULL = bool(os.environ.get("OPTAX_EXT_FULL_MATRIX"))
-TPU_IN_CI = {"adamw", "clip+adamw", "MultiSteps(adamw, 2)"}
+TPU_IN_CI = {"adamw", "lion", "clip+adamw", "MultiSteps(adamw, 2)"}
 
 
 def by_backend(cases):

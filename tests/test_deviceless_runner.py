@@ -75,10 +75,12 @@ def test_sharded_checks_pass_with_jaxlib_0_11():
     devices with jax 0.11.2, whose XLA:CPU keeps orders that jaxlib 0.10's
     fusion undoes."""
     python = _python_or_skip()
+    # At XLA's default level: test_compile_options.py runs on other JAXes.
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        OPTAX_EXT_XLA_DEFAULTS="1",
     )
     env.pop("OPTAX_EXT_DEVICELESS", None)
     # The structure and memory checks (and the per-example outputs' test),

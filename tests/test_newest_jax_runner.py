@@ -36,7 +36,13 @@ def test_compiled_checks_pass_with_the_newest_jax():
             pytest.fail(f"no newest-JAX environment: build it with `{BUILD}`")
         pytest.skip(f"no newest-JAX environment (`{BUILD}` builds it)")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    for name in ("XLA_FLAGS", "OPTAX_EXT_DEVICELESS", "OPTAX_EXT_FULL_MATRIX"):
+    # (at -O0 whatever the parent asked: test_compile_options.py checks it)
+    for name in (
+        "XLA_FLAGS",
+        "OPTAX_EXT_DEVICELESS",
+        "OPTAX_EXT_FULL_MATRIX",
+        "OPTAX_EXT_XLA_DEFAULTS",
+    ):
         env.pop(name, None)
     summary = child_pytest(
         python,
