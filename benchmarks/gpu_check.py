@@ -171,6 +171,20 @@ def whole_steps(loss, dtype: str) -> dict:
     return steps
 
 
+def timer(programs: list, buffers: list, data):
+    """A call that runs `programs` in turn on `buffers` (params and state,
+    advanced in place) and `data`, and returns its seconds."""
+
+    def call() -> float:
+        t0 = time.perf_counter()
+        for program in programs:
+            buffers[:] = program(*buffers, data)
+        jax.block_until_ready(buffers)
+        return time.perf_counter() - t0
+
+    return call
+
+
 def whole_case(dtype: str, quick: bool, n_steps: int, rounds: int) -> dict:
     """ms per step over windows of 4 (host loop), temporary and compiled
     peak MiB of each form's whole train step, and the device's peak."""
@@ -184,21 +198,11 @@ def whole_case(dtype: str, quick: bool, n_steps: int, rounds: int) -> dict:
                 jitted = jax.jit(step, donate_argnums=(0, 1))
                 compiled[step] = jitted.lower(params, state, batch).compile()
 
-    def timer(programs: list, buffers: list):
-        def call() -> float:
-            t0 = time.perf_counter()
-            for program in programs:
-                buffers[:] = program(*buffers, batch)
-            jax.block_until_ready(buffers)
-            return time.perf_counter() - t0
-
-        return call
-
     calls = {}
     for name, (init, window) in steps.items():
         copy = jax.tree.map(jnp.copy, params)
         programs = [compiled[step] for step in window] * (n_steps // WINDOW)
-        calls[name] = timer(programs, [copy, init(copy)])
+        calls[name] = timer(programs, [copy, init(copy)], batch)
     times = {name: [call()] for name, call in calls.items()}  # warm-up
     order, rng = list(calls), random.Random(0)
     for _ in range(rounds):
@@ -333,16 +337,6 @@ def bench_case(case: str, quick: bool, n_steps: int, rounds: int, workers: int):
     compile_s = time.monotonic() - start
     print(f"  compiled {len(jobs)} programs in {compile_s:.1f} s", flush=True)
 
-    def timer(programs: list, buffers: list):
-        def call() -> float:
-            t0 = time.perf_counter()
-            for program in programs:
-                buffers[:] = program(*buffers, grads)
-            jax.block_until_ready(buffers)
-            return time.perf_counter() - t0
-
-        return call
-
     ms: dict = {mode: {} for mode in MODES}
     for mode in MODES:  # each mode's buffers freed before the next allocates
         calls = {}
@@ -351,7 +345,7 @@ def bench_case(case: str, quick: bool, n_steps: int, rounds: int, workers: int):
             copy = jax.tree.map(jnp.copy, params)
             buffers = [copy, init(copy)]
             for form, steps in forms.items():
-                calls[name, form] = timer([compiled[f] for f in steps], buffers)
+                calls[name, form] = timer([compiled[f] for f in steps], buffers, grads)
         times = {key: [call()] for key, call in calls.items()}  # warm-up
         order, shuffle = list(calls), random.Random(0).shuffle
         for _ in range(rounds):
