@@ -40,9 +40,46 @@ import pytest  # noqa: E402
 MULTIDEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 
 
+# The tests that run a child pytest or processes, longest first: they
+# take a third of the suite's CPU time (docs/contributing.md).
+LONG_FIRST = [
+    "test_deviceless_runner.py::test_gpu_and_tpu_compile_checks_pass",
+    "test_multidevice_runner.py::test_multidevice_tests_pass_on_8_cpu_devices",
+    "test_newest_jax_runner.py::test_compiled_checks_pass_with_the_newest_jax",
+    "test_deviceless_runner.py::test_sharded_checks_pass_with_jaxlib_0_11",
+    "test_gpu_check.py::test_quick_run_times_and_sizes_every_step_and_writes_its_report",
+    "test_multiprocess.py::test_two_processes_train_as_one_process_on_the_whole_batch",
+]
+
+
+def _long_first(items):
+    """`items` reordered so that under `pytest -n W` (`--dist worksteal`,
+    pyproject.toml) the long tests start at once, dealt in turn to the
+    start of each worker's first share: none waits behind another while a
+    worker runs short tests, and the other tests fill in around them."""
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    long = sorted(
+        (item for item in items if item.nodeid.rpartition("/")[2] in rank),
+        key=lambda item: rank[item.nodeid.rpartition("/")[2]],
+    )
+    rest = [item for item in items if item.nodeid.rpartition("/")[2] not in rank]
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    ordered = []
+    for w in range(workers):
+        mine = long[w::workers]
+        # worksteal gives worker w the next len(pending) // (workers - w).
+        share = (len(items) - len(ordered)) // (workers - w)
+        take = max(0, share - len(mine)) if w < workers - 1 else len(rest)
+        ordered += mine + rest[:take]
+        rest = rest[take:]
+    items[:] = ordered
+
+
 def pytest_collection_modifyitems(config, items):
-    """Multi-device tests run only in a process that has 8 devices; the main
-    run starts such a process in `test_multidevice_runner.py`."""
+    """The long tests first (`_long_first`). Multi-device tests run only in
+    a process that has 8 devices; the main run starts such a process in
+    `test_multidevice_runner.py`."""
+    _long_first(items)
     marked = [item for item in items if item.get_closest_marker("multidevice")]
     if not marked:
         return
