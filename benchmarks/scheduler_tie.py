@@ -7,7 +7,8 @@ its own log.
 Compiles the whole train step of `tests/test_train_step_memory.py` (its
 MLP of 4 x (1024, 1024), adamw, `apply_gradients`) for the H200 target,
 deviceless, with the float32 and the bfloat16 (`accumulator_dtype=None`)
-accumulator, in a child process whose XLA logs its scheduler
+accumulator, and the float32 one in the host-chosen mini-step (`emit=False`,
+no conditional), each in a child process whose XLA logs its scheduler
 (`TF_CPP_VMODULE=hlo_memory_scheduler=2`). For the train step's module it
 prints the peak each of the scheduler's three orders simulates, the order
 kept, and where the list order puts the matmuls (`gemm_fusion_dot`: the
@@ -28,9 +29,10 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
+CASES = [("float32", "fused"), ("bfloat16", "fused"), ("float32", "emit=False")]
 
 
-def child(accumulator: str) -> None:
+def child(accumulator: str, form: str) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, str(TESTS))
     import jax
@@ -43,13 +45,13 @@ def child(accumulator: str) -> None:
     acc = None if accumulator == "bfloat16" else jnp.float32
     opt = optax_ext.MultiSteps(ts.INNER["adamw"][0](), ts.K, accumulator_dtype=acc)
     state = jax.eval_shape(opt.init, params)
-    step = ts.train_step(opt, "fused", loss, [])
+    step = ts.train_step(opt, form, loss, [])
     compiled = ts.compile_train_step("gpu", step, params, state, batch, [])
     temp = compiled.memory_analysis().temp_size_in_bytes / ts._bytes(params)
     print(f"TEMP {temp:.3f}", flush=True)
 
 
-def report(accumulator: str) -> list[str]:
+def report(accumulator: str, form: str) -> list[str]:
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
@@ -57,7 +59,7 @@ def report(accumulator: str) -> list[str]:
         TF_CPP_VMODULE="hlo_memory_scheduler=2,gpu_hlo_schedule=2",
     )
     run = subprocess.run(
-        [sys.executable, __file__, "--child", accumulator],
+        [sys.executable, __file__, "--child", accumulator, "--form", form],
         env=env,
         capture_output=True,
         text=True,
@@ -82,7 +84,7 @@ def report(accumulator: str) -> list[str]:
             order.append(f"fold {m.group(1)} ({m.group(3)})")
     temp = re.search(r"TEMP (\S+)", run.stdout).group(1)
     return [
-        f"### {accumulator} accumulator",
+        f"### {accumulator} accumulator, {form}",
         "",
         f"- temporary memory: {temp}x the params",
         f"- simulated peak per order: {', '.join(peaks)}; kept: {chosen}",
@@ -94,10 +96,11 @@ def report(accumulator: str) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--child")
+    parser.add_argument("--form", default="fused")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.child:
-        child(args.child)
+        child(args.child, args.form)
         return
     import jax
 
@@ -108,8 +111,8 @@ def main() -> None:
         "H200 target, deviceless.",
         "",
     ]
-    for accumulator in ("float32", "bfloat16"):
-        lines += report(accumulator)
+    for accumulator, form in CASES:
+        lines += report(accumulator, form)
     text = "\n".join(lines)
     if args.out:
         pathlib.Path(args.out).write_text(text)
