@@ -33,7 +33,10 @@ def _host_emit(emit: Any, optimizer: Any, found: Any) -> bool:
             "to compile"
             + (
                 ", so it cannot be a JAX array (traced, or on a device: read "
-                "the loop's own step count instead)."
+                "the loop's own step count instead). Under a jitted train "
+                "step, make emit static (`jax.jit(..., static_argnames="
+                "'emit')`) or, with `eqx.filter_jit`, which traces NumPy "
+                "values, pass a Python bool (`bool(step % k == k - 1)`)."
                 if array
                 else "."
             )
@@ -121,6 +124,12 @@ def apply_gradients(
     ```
     """
     check_transformation(optimizer, "optax_ext.apply_gradients: optimizer")
+    if params is None:
+        raise TypeError(
+            "optax_ext.apply_gradients: params is None; it returns the params "
+            "updated, so pass them (a pytree or an Equinox model). For the "
+            "updates alone, call optimizer.update(grads, opt_state)."
+        )
     if emit is None:
         return step_and_apply(optimizer, grads, opt_state, params, **extra_args)
     emit = _host_emit(emit, optimizer, owner(optimizer))

@@ -63,10 +63,11 @@ def check_step(
     every_k_schedule: Callable[[jax.Array], Any],
 ) -> StepInputs:
     """Every check of a `MultiSteps` step's inputs, in the order a bad input
-    is reported: the mesh axis, the state, the weight, the gradients against
-    the accumulator, the inner state against what `inner_init` builds (from
-    the params where given: an integer leaf's accumulator is float32, its
-    param not), the devices' gradients, the window length."""
+    is reported: the mesh axis, the state, the weight, the params and the
+    gradients against the accumulator, the inner state against what
+    `inner_init` builds (from the params where given: an integer leaf's
+    accumulator is float32, its param not), the devices' gradients, the
+    window length."""
     devices.check_bound("update")
     check_state(state, method)
     extra_args = dict(extra_args)
@@ -75,6 +76,7 @@ def check_step(
     acc = devices.drop_axis(state.acc_grads)
     if params is not None:
         params = accumulated(params)
+        check_params(params, acc)
     # Integer and Python-number params hold state (as in optax) but get a
     # `None` gradient from `eqx.filter_grad`: zeros there, `None` back in
     # the updates.
@@ -248,6 +250,29 @@ def skip_decision(
             "Reduce it to one decision, e.g. with `jnp.any(...)`."
         )
     return should_skip, skip_state
+
+
+def check_params(params: PyTree, acc: PyTree) -> None:
+    """Raises where the params' optimised leaves do not fit the accumulator
+    `init` built from the params: another tree, or other shapes."""
+    hint = (
+        "pass the params (or the Equinox model) this MultiSteps's init was "
+        "given, or params of the same tree and shapes."
+    )
+    check_same_structure(
+        acc,
+        params,
+        expected_name="the accumulated gradients in the state",
+        got_name="the params",
+        hint=hint[0].upper() + hint[1:],
+    )
+    check_same_shapes(
+        acc,
+        params,
+        expected_name="the accumulated gradients in the state",
+        got_name="the params",
+        hint=hint,
+    )
 
 
 def check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None:

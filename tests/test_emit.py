@@ -5,6 +5,7 @@ mean computed in float64, and the loop without `emit`."""
 
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -270,3 +271,27 @@ def test_host_chosen_steps_hold_no_conditional(emit):
     )
     assert " conditional(" not in text
     assert text.count(" sqrt(") == (len(PARAMS) if emit else 0)
+
+
+def test_traced_emit_says_how_to_keep_it_static():
+    """Under `eqx.filter_jit` a NumPy bool is traced: the error says to
+    make `emit` static or pass a Python bool, and both ways work."""
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), K)
+    state = opt.init(PARAMS)
+
+    @eqx.filter_jit
+    def filtered(params, state, emit):
+        return optax_ext.apply_gradients(opt, params, state, params, emit=emit)
+
+    with pytest.raises(TypeError, match=r"static_argnames='emit'.*Python bool"):
+        filtered(PARAMS, state, np.bool_(True))
+    want = filtered(PARAMS, state, True)
+
+    @functools.partial(jax.jit, static_argnames="emit")
+    def static(params, state, emit):
+        return optax_ext.apply_gradients(opt, params, state, params, emit=emit)
+
+    for emit in (True, np.bool_(True)):
+        got = static(PARAMS, state, emit)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -310,3 +310,47 @@ def test_state_restored_without_a_target_gets_its_own_hint(tmp_path):
     abstract = jax.eval_shape(opt.init, params)
     state = checkpointer.restore(tmp_path / "state", abstract)
     opt.update(params, state, params)
+
+
+@pytest.mark.parametrize("form", ["update", "apply_gradients"])
+def test_params_that_do_not_fit_the_state_are_named(form):
+    """Params of another tree or other shapes than `init` was given: the
+    error names the params and the path. It blamed the inner state's
+    structure (a missing key), or was JAX's own broadcasting error with no
+    argument or path (a wrong shape, fused)."""
+    params = {"w": jnp.ones(3), "b": jnp.ones(2)}
+    opt = optax_ext.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
+    state = opt.init(params)
+
+    def step(p):
+        if form == "update":
+            return opt.update(params, state, p)
+        return optax_ext.apply_gradients(opt, params, state, p)
+
+    with pytest.raises(ValueError, match=r"the params have nothing at \['w'\]"):
+        step({"b": jnp.ones(2)})
+    with pytest.raises(
+        ValueError, match=r"At \['w'\] the params have shape \(4,\).*shape \(3,\)"
+    ):
+        step({"w": jnp.ones(4), "b": jnp.ones(2)})
+    step(params)  # the params init was given
+    # An Equinox model: its non-array leaves hold None in the state.
+    model = eqx.nn.Linear(2, 3, key=jax.random.key(0))
+    state = opt.init(model)
+    grads = jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_array))
+    optax_ext.apply_gradients(opt, grads, state, model)
+    other = eqx.nn.Linear(2, 4, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"The tree of the params does not match"):
+        optax_ext.apply_gradients(opt, grads, state, other)
+
+
+def test_apply_gradients_without_params_is_named():
+    """`apply_gradients(opt, grads, state, None)` raised an internal
+    error about a missing positional argument."""
+    for opt in (
+        optax_ext.MultiSteps(optax.sgd(0.1), every_k_schedule=2),
+        optax.sgd(0.1),
+    ):
+        state = opt.init({"w": jnp.ones(3)})
+        with pytest.raises(TypeError, match=r"apply_gradients: params is None"):
+            optax_ext.apply_gradients(opt, {"w": jnp.ones(3)}, state, None)
