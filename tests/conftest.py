@@ -40,8 +40,8 @@ import pytest  # noqa: E402
 MULTIDEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 
 
-# The tests that run a child pytest or processes, longest first: they
-# take a third of the suite's CPU time (docs/contributing.md).
+# The tests that run a child pytest or processes, longest first: each
+# runs for minutes, where most tests take a second or less.
 LONG_FIRST = [
     "test_deviceless_runner.py::test_gpu_and_tpu_compile_checks_pass",
     "test_multidevice_runner.py::test_multidevice_tests_pass_on_8_cpu_devices",
@@ -52,9 +52,9 @@ LONG_FIRST = [
 ]
 
 
-def _long_first(items):
-    """`items` reordered so that under `pytest -n W` (`--dist worksteal`,
-    pyproject.toml) the long tests start at once, dealt in turn to the
+def _long_first(items, workers):
+    """`items` reordered so that under `pytest -n W --dist worksteal`
+    (pyproject.toml) the long tests start at once, dealt in turn to the
     start of each worker's first share: none waits behind another while a
     worker runs short tests, and the other tests fill in around them."""
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
@@ -63,7 +63,6 @@ def _long_first(items):
         key=lambda item: rank[item.nodeid.rpartition("/")[2]],
     )
     rest = [item for item in items if item.nodeid.rpartition("/")[2] not in rank]
-    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     ordered = []
     for w in range(workers):
         mine = long[w::workers]
@@ -75,11 +74,22 @@ def _long_first(items):
     items[:] = ordered
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """The long tests first (`_long_first`). Multi-device tests run only in
-    a process that has 8 devices; the main run starts such a process in
-    `test_multidevice_runner.py`."""
-    _long_first(items)
+    """The long tests first (`_long_first`), after `-k`, `-m` and
+    `--deselect` have chosen the items (hence `trylast`): in a worksteal
+    worker, dealt over the workers; without xdist, all at the start."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        _long_first(items, 1)
+    elif config.getoption("dist", None) == "worksteal":
+        _long_first(items, int(workerinput["workercount"]))
+    _skip_multidevice(items)
+
+
+def _skip_multidevice(items):
+    """Multi-device tests run only in a process that has 8 devices; the main
+    run starts such a process in `test_multidevice_runner.py`."""
     marked = [item for item in items if item.get_closest_marker("multidevice")]
     if not marked:
         return

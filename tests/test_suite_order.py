@@ -21,17 +21,16 @@ def test_every_long_test_is_a_test_of_the_suite():
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
-def test_long_tests_start_each_worker_s_share(monkeypatch, workers):
+def test_long_tests_start_each_worker_s_share(workers):
     """With W workers, worksteal hands worker w the next
     len(pending) // (W - w) tests; the long ones open those shares, in
     turn, longest first, and no test is lost or repeated."""
-    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(workers))
     short = [
         types.SimpleNamespace(nodeid=f"tests/test_x.py::test_{i}") for i in range(40)
     ]
     long = [types.SimpleNamespace(nodeid=f"tests/{n}") for n in conftest.LONG_FIRST]
     items = short[:7] + long[::-1] + short[7:]
-    conftest._long_first(items)
+    conftest._long_first(items, workers)
     assert sorted(id(i) for i in items) == sorted(id(i) for i in short + long)
     assert [i for i in items if i in short] == short
     start, pending = 0, len(items)
@@ -40,3 +39,37 @@ def test_long_tests_start_each_worker_s_share(monkeypatch, workers):
         mine = long[w::workers]
         assert items[start : start + len(mine)] == mine, (w, start)
         start, pending = start + share, pending - share
+
+
+@pytest.mark.parametrize("dist", ["worksteal", "load", None])
+def test_the_hook_deals_only_where_worksteal_hands_out_shares(dist):
+    """The collection hook calls `_long_first` with the workers' count
+    under worksteal, and keeps xdist's other schedulers' order; outside
+    xdist it puts the long tests first. It runs last (`trylast`), after
+    `-k` and `-m` have chosen the items."""
+    hook = conftest.pytest_collection_modifyitems
+    assert hook.pytest_impl["trylast"]
+    short = [
+        types.SimpleNamespace(nodeid=f"tests/test_x.py::test_{i}") for i in range(9)
+    ]
+    for item in short:
+        item.get_closest_marker = lambda name: None
+    first, second = (
+        types.SimpleNamespace(nodeid=f"tests/{name}")
+        for name in conftest.LONG_FIRST[:2]
+    )
+    for item in (first, second):
+        item.get_closest_marker = lambda name: None
+    config = types.SimpleNamespace(getoption=lambda name, default=None: dist)
+    if dist is not None:
+        config.workerinput = {"workercount": 2}
+    items = short[:3] + [second] + short[3:6] + [first] + short[6:]
+    given = list(items)
+    hook(config, items)
+    if dist == "load":
+        assert items == given
+    elif dist == "worksteal":
+        # 11 items: worker 0 takes the first 11 // 2, worker 1 the rest
+        assert items == [first] + short[:4] + [second] + short[4:]
+    else:
+        assert items == [first, second] + short
