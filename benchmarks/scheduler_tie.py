@@ -1,6 +1,6 @@
 """Why the fused step with bfloat16 params and a float32 accumulator holds
-every gradient at once on an H200: XLA:GPU's memory scheduler, read from
-its own log.
+every gradient at once on an H200, and the host-chosen mini-step does
+not: XLA:GPU's memory scheduler, read from its own log.
 
     .venv-deviceless/bin/python benchmarks/scheduler_tie.py [--out FILE]
 
@@ -49,6 +49,15 @@ def child(accumulator: str, form: str) -> None:
     compiled = ts.compile_train_step("gpu", step, params, state, batch, [])
     temp = compiled.memory_analysis().temp_size_in_bytes / ts._bytes(params)
     print(f"TEMP {temp:.3f}", flush=True)
+    entry = compiled.as_text().split("\nENTRY ")[1]
+    kept = []
+    for line in entry.splitlines():
+        m = re.match(r"\s*%?(\S+) = \S+ fusion\((.*?)\)", line)
+        if m and m.group(1).startswith("gemm_fusion_dot"):
+            kept.append("matmul")
+        elif m and "acc_grads" in m.group(2):
+            kept.append("fold")
+    print(f"KEPT {', '.join(kept)}", flush=True)
 
 
 def report(accumulator: str, form: str) -> list[str]:
@@ -88,6 +97,8 @@ def report(accumulator: str, form: str) -> list[str]:
         "",
         f"- temporary memory: {temp}x the params",
         f"- simulated peak per order: {', '.join(peaks)}; kept: {chosen}",
+        "- the kept order's matmuls and folds, from the scheduled HLO: "
+        + re.search(r"KEPT (.*)", run.stdout).group(1),
         f"- the list order, matmuls and folds (bytes freed): {', '.join(order)}",
         "",
     ]
@@ -105,7 +116,7 @@ def main() -> None:
     import jax
 
     lines = [
-        "# XLA:GPU's memory scheduler on the fused bfloat16 step",
+        "# XLA:GPU's memory scheduler on the bfloat16 step",
         "",
         f"Written by `benchmarks/scheduler_tie.py`, jax {jax.__version__}, "
         "H200 target, deviceless.",

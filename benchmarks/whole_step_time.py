@@ -26,10 +26,13 @@ from run import machine
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=16, help="steps per timing")
+    parser.add_argument(
+        "--steps", type=int, default=16, help="steps per timing (whole windows)"
+    )
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
     device = jax.devices()[0]
+    steps = max(gpu_check.WINDOW, args.steps // gpu_check.WINDOW * gpu_check.WINDOW)
     lines = [
         f"# The whole train step's time on {device.platform.upper()}",
         "",
@@ -37,7 +40,7 @@ def main() -> None:
         f"{device.device_kind}. The whole train step (loss, `jax.grad` and the "
         "step in one `jax.jit`, params and state donated) of an MLP of "
         "4 x (2048, 2048) with a batch of 8, `optax.adamw(1e-4)`, windows of "
-        f"{gpu_check.WINDOW}: ms per step over {args.steps} steps from a host "
+        f"{gpu_check.WINDOW}: ms per step over {steps} steps from a host "
         f"loop, the median of {args.rounds} interleaved rounds; `optax / form`: "
         "above 1, the form is faster. Temporary MiB and compiled peak MiB "
         "(arguments + outputs not aliased + temporaries) from "
@@ -47,8 +50,12 @@ def main() -> None:
     ]
     for dtype in gpu_check.WHOLE_CASES:
         print(f"{dtype}:", flush=True)
-        case = gpu_check.whole_case(dtype, False, args.steps, args.rounds)
-        lines += [f"## {dtype}", "", *gpu_check.whole_table(case)]
+        case = gpu_check.whole_case(dtype, False, steps, args.rounds)
+        lines += [
+            f"## {dtype}, jax {jax.__version__}",
+            "",
+            *gpu_check.whole_table(case),
+        ]
     text = "\n".join(lines)
     print(text)
     if args.out:
