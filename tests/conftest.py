@@ -77,13 +77,14 @@ def _long_first(items, workers):
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """The long tests first (`_long_first`), after `-k`, `-m` and
-    `--deselect` have chosen the items (hence `trylast`): in a worksteal
-    worker, dealt over the workers; without xdist, all at the start."""
+    `--deselect` have chosen the items (hence `trylast`): in an xdist
+    worker dealt over the workers, without xdist all at the start. (A
+    worker's own `dist` option reads "no" whatever the run's is: the
+    shares are worksteal's, and under `load` they only move the long
+    tests to where a worker will soon ask for them.)"""
     workerinput = getattr(config, "workerinput", None)
-    if workerinput is None:
-        _long_first(items, 1)
-    elif config.getoption("dist", None) == "worksteal":
-        _long_first(items, int(workerinput["workercount"]))
+    workers = 1 if workerinput is None else int(workerinput["workercount"])
+    _long_first(items, workers)
     _skip_multidevice(items)
 
 

@@ -41,34 +41,28 @@ def test_long_tests_start_each_worker_s_share(workers):
         start, pending = start + share, pending - share
 
 
-@pytest.mark.parametrize("dist", ["worksteal", "load", None])
-def test_the_hook_deals_only_where_worksteal_hands_out_shares(dist):
-    """The collection hook calls `_long_first` with the workers' count
-    under worksteal, and keeps xdist's other schedulers' order; outside
-    xdist it puts the long tests first. It runs last (`trylast`), after
-    `-k` and `-m` have chosen the items."""
+@pytest.mark.parametrize("worker", [True, False])
+def test_the_hook_deals_over_the_workers(worker):
+    """The collection hook calls `_long_first` with xdist's worker count in
+    a worker, and puts the long tests first outside xdist. It runs last
+    (`trylast`), after `-k` and `-m` have chosen the items."""
     hook = conftest.pytest_collection_modifyitems
     assert hook.pytest_impl["trylast"]
     short = [
         types.SimpleNamespace(nodeid=f"tests/test_x.py::test_{i}") for i in range(9)
     ]
-    for item in short:
-        item.get_closest_marker = lambda name: None
     first, second = (
         types.SimpleNamespace(nodeid=f"tests/{name}")
         for name in conftest.LONG_FIRST[:2]
     )
-    for item in (first, second):
+    for item in (*short, first, second):
         item.get_closest_marker = lambda name: None
-    config = types.SimpleNamespace(getoption=lambda name, default=None: dist)
-    if dist is not None:
+    config = types.SimpleNamespace()
+    if worker:
         config.workerinput = {"workercount": 2}
     items = short[:3] + [second] + short[3:6] + [first] + short[6:]
-    given = list(items)
     hook(config, items)
-    if dist == "load":
-        assert items == given
-    elif dist == "worksteal":
+    if worker:
         # 11 items: worker 0 takes the first 11 // 2, worker 1 the rest
         assert items == [first] + short[:4] + [second] + short[4:]
     else:
