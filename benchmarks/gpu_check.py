@@ -171,6 +171,11 @@ def whole_steps(loss, dtype: str) -> dict:
     return steps
 
 
+def whole_windows(steps: int) -> int:
+    """`steps` rounded down to whole windows, one window at least."""
+    return max(WINDOW, steps // WINDOW * WINDOW)
+
+
 def timer(programs: list, buffers: list, data):
     """A call that runs `programs` in turn on `buffers` (params and state,
     advanced in place) and `data`, and returns its seconds."""
@@ -481,7 +486,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     args = parser.parse_args()
     start = time.monotonic()
-    n_steps = max(WINDOW, (args.steps or (4 if args.quick else 16)) // WINDOW * WINDOW)
+    n_steps = whole_windows(args.steps or (4 if args.quick else 16))
     rounds = args.rounds or (2 if args.quick else 7)
     chosen = args.case or (["large:float32"] if args.quick else CASES)
     device = jax.devices()[0]

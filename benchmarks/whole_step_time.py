@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
     device = jax.devices()[0]
-    steps = max(gpu_check.WINDOW, args.steps // gpu_check.WINDOW * gpu_check.WINDOW)
+    steps = gpu_check.whole_windows(args.steps)
     lines = [
         f"# The whole train step's time on {device.platform.upper()}",
         "",
