@@ -54,7 +54,7 @@ LONG_FIRST = [
 
 def _long_first(items, workers):
     """`items` reordered so that under `pytest -n W --dist worksteal`
-    (pyproject.toml) the long tests start at once, dealt in turn to the
+    (`pytest_configure`) the long tests start at once, dealt in turn to the
     start of each worker's first share: none waits behind another while a
     worker runs short tests, and the other tests fill in around them."""
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
@@ -72,6 +72,18 @@ def _long_first(items, workers):
         ordered += mine + rest[:take]
         rest = rest[take:]
     items[:] = ordered
+
+
+def pytest_configure(config):
+    """`pytest -n W` without `--dist` schedules by worksteal, the shares
+    `_long_first` deals for. (In `addopts` the option would make a run
+    without xdist, `pytest -p no:xdist`, fail.) An explicit `--dist` is
+    kept, as are the workers' own configs, whose `dist` reads "no"."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    given = any(arg.startswith("--dist") for arg in config.invocation_params.args)
+    if config.getoption("dist") == "load" and not given:
+        config.option.dist = "worksteal"
 
 
 @pytest.hookimpl(trylast=True)

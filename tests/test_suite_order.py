@@ -67,3 +67,55 @@ def test_the_hook_deals_over_the_workers(worker):
         assert items == [first] + short[:4] + [second] + short[4:]
     else:
         assert items == [first, second] + short
+
+
+def _config(dist, args, xdist=True):
+    return types.SimpleNamespace(
+        pluginmanager=types.SimpleNamespace(hasplugin=lambda name: xdist),
+        invocation_params=types.SimpleNamespace(args=args),
+        option=types.SimpleNamespace(dist=dist),
+        getoption=lambda name: dist,
+    )
+
+
+@pytest.mark.parametrize(
+    "dist, args, expected",
+    [
+        ("load", ("-n", "2", "tests"), "worksteal"),  # -n alone: xdist says load
+        ("load", ("-n", "2", "--dist", "load"), "load"),
+        ("load", ("-n", "2", "--dist=load"), "load"),
+        ("loadgroup", ("-n", "2", "--dist", "loadgroup"), "loadgroup"),
+        ("no", ("tests",), "no"),  # no -n, or an xdist worker's own config
+    ],
+)
+def test_n_alone_schedules_by_worksteal(dist, args, expected):
+    config = _config(dist, args)
+    conftest.pytest_configure(config)
+    assert config.option.dist == expected
+
+
+def test_the_suite_runs_without_xdist():
+    """No xdist option in `addopts`: `pytest -p no:xdist` runs."""
+    import subprocess
+    import sys
+
+    config = _config(None, ())
+    config.pluginmanager.hasplugin = lambda name: False
+    config.getoption = None  # reading an option xdist adds would fail
+    conftest.pytest_configure(config)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:xdist",
+            "-q",
+            "--co",
+            str(TESTS / "test_suite_order.py"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=TESTS.parent,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
