@@ -297,6 +297,74 @@ def test_whole_step_figures_of_the_performance_page_come_from_the_results():
     )
 
 
+# The performance page's names of whole_step.py's cases.
+WHOLE_STEP_MODELS = {
+    "MLP": "mlp 4 x (2048, 2048), batch 8",
+    "GPT-2-like": "gpt2-like, 2 layers of width 256",
+    "wider GPT-2-like": "gpt2-like, 6 layers of width 512, sequence 128",
+}
+WHOLE_STEP_FORMS = ["optax", "drop-in", "fused", "emit=False", "emit=True", "bare"]
+
+
+def _whole_step_rows() -> dict[tuple[str, ...], dict[str, str]]:
+    """benchmarks/results/whole_step.md's rows: (backend, model, dtype,
+    inner) to each form's figure."""
+    text = (ROOT / "benchmarks" / "results" / "whole_step.md").read_text()
+    rows, header = {}, None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or set(cells[0]) <= set("- "):
+            continue
+        if cells[0] == "backend":
+            header = cells
+            continue
+        rows[tuple(cells[:4])] = dict(zip(header[4:], cells[4:], strict=True))
+    return rows
+
+
+def _performance_whole_step_cells():
+    """Each figure of docs/performance.md's per-backend whole-step tables,
+    as (its row's key in whole_step.md, the form, the figure)."""
+    page = (ROOT / "docs" / "performance.md").read_text()
+    section = page.split("\n## The whole train step against optax.MultiSteps\n")[1]
+    section = section.split("\n### Open cases\n", 1)[0]
+    backend, columns = None, None
+    for line in section.splitlines():
+        heading = re.match(r"### (XLA:CPU|H200|TPU v5e)", line)
+        if heading:
+            backend = {"XLA:CPU": None, "H200": "H200"}.get(heading[1], "TPU v5e")
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|"):
+            columns = None  # a table's end
+        elif cells[0] == "case":
+            columns = cells
+        elif columns and not set(cells[0]) <= set("-"):
+            row = dict(zip(columns, cells, strict=True))
+            model, dtype, inner, *acc = (c.strip() for c in row["case"].split(","))
+            if acc:
+                inner += ", " + acc[0].strip("`")
+            name = backend or f"XLA:CPU (jax {row['jax']})"
+            key = (name, WHOLE_STEP_MODELS[model], dtype, inner)
+            for form in WHOLE_STEP_FORMS:
+                yield key, form, row[form if form != "optax" else "optax.MultiSteps"]
+
+
+def test_whole_step_tables_of_the_performance_page_equal_the_results():
+    """Cell by cell: each figure of docs/performance.md's per-backend
+    whole-step tables is the figure of that backend, JAX, case and form in
+    benchmarks/results/whole_step.md (a figure that is merely somewhere in
+    the results, the check above, can be another case's)."""
+    rows = _whole_step_rows()
+    cells = list(_performance_whole_step_cells())
+    assert len(cells) >= 100, len(cells)
+    wrong = [
+        (key, form, figure, rows.get(key, {}).get(form))
+        for key, form, figure in cells
+        if rows.get(key, {}).get(form) != figure
+    ]
+    assert wrong == [], wrong
+
+
 # --- sentences a reader can take in ---------------------------------------
 
 # The pages held to the aim of issue 40: sentences averaging under 18 words,
