@@ -154,7 +154,7 @@ class Injection(Configured):
         given = f"the value given to {self._name}: {self.arguments.get(name)!r}"
         try:
             array = jnp.asarray(value)
-        except TypeError:
+        except (TypeError, ValueError):  # jax raises ValueError for None
             raise ArgumentError(
                 f"{where} holds {describe_value(value)}, but {name} is a numeric "
                 f"hyperparameter of dtype {dtype} ({given}). Write a number or "
@@ -183,7 +183,38 @@ class Injection(Configured):
                 f"the value. Write a value of dtype {dtype}, or build the "
                 f"optimizer with {name} given as a value of the dtype you need."
             )
+        self._check_kept(name, value, dtype, where)
         return jnp.asarray(array, dtype)  # strong: no weak type to lose
+
+    def _check_kept(self, name: str, value: Any, dtype: Any, where: str) -> None:
+        """Refuses a known value that storing in a narrow `dtype`
+        (`hyperparam_dtype=jnp.bfloat16`) turns into 0, 1 or infinity: Adam's
+        `b2=0.999` becomes 1.0 in bfloat16 and its update NaN, `eps=1e-8`
+        becomes 0 in float16. Other roundings are what the dtype asked for."""
+        if isinstance(value, jax.core.Tracer) or not jnp.issubdtype(
+            dtype, jnp.floating
+        ):
+            return
+        wanted = np.asarray(value, np.float64)
+        with np.errstate(over="ignore"):  # an overflow is reported below
+            stored = wanted.astype(dtype).astype(np.float64)
+        for lost, becomes in (
+            ((wanted != 0) & (stored == 0), "0"),
+            ((wanted != 1) & (stored == 1), "1"),
+            (np.isfinite(wanted) & ~np.isfinite(stored), "infinity"),
+        ):
+            if np.any(lost):
+                raise ArgumentValueError(
+                    f"{where} holds {value!r}, which {jnp.dtype(dtype)} "
+                    f"rounds to {becomes}: stored so, it would change what "
+                    f"{self._name} computes (a decay rate of 1 averages "
+                    "nothing, an eps of 0 divides by 0). Store the "
+                    "hyperparameters in a wider dtype (hyperparam_dtype="
+                    "jnp.float32, or None to keep each value's own), name "
+                    f"{name} in static_args (handed to {self._name} as "
+                    "given), or give it a value that "
+                    f"{jnp.dtype(dtype)} holds."
+                )
 
     def _as_factory_argument(
         self, name: str, stored: jax.Array, weak: bool

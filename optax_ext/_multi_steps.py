@@ -31,7 +31,9 @@ from ._accumulate.window import run_window
 from ._leaves import accumulated, restore_none
 from ._multi_steps_checks import (
     check_skip_fn,
+    check_state,
     check_step,
+    check_use_grad_mean,
     skip_decision,
     validate_every_k,
 )
@@ -170,13 +172,14 @@ class MultiSteps(Configured):
         weighted: bool = False,
     ):
         check_transformation(opt, "opt")
+        use_grad_mean = check_use_grad_mean(use_grad_mean)
         self._weighted = check_weighted(weighted, use_grad_mean)
         self._opt = with_extra_args(opt)
         # As given: `apply_gradients` fuses through a nested MultiSteps or
         # skip_when, which `with_extra_args` would hide.
         self._fusable_inner = opt
         self._every_k_schedule = validate_every_k(every_k_schedule)
-        self._use_grad_mean = bool(use_grad_mean)
+        self._use_grad_mean = use_grad_mean
         self._should_skip_update_fn = check_skip_fn(should_skip_update_fn)
         self._accumulator_dtype = check_accumulator_dtype(
             accumulator_dtype, complex_ok=True
@@ -414,6 +417,7 @@ class MultiSteps(Configured):
         updates, _ = theirs.update(jnp.ones(3), opt.optax_state(state))
         ```
         """
+        check_state(state, "optax_state")
         start = jnp.asarray(state.mini_step) == 0
         acc = jax.tree.map(
             lambda a: jnp.where(start, jnp.zeros_like(a), a), state.acc_grads
@@ -440,6 +444,7 @@ class MultiSteps(Configured):
         assert opt.emits_next(state)
         ```
         """
+        check_state(state, "emits_next")
         counters = (state.mini_step, state.gradient_step)
         if any(isinstance(c, jax.core.Tracer) for c in counters):
             raise TypeError(
@@ -457,6 +462,7 @@ class MultiSteps(Configured):
         the counters as in optax (`mini_step == 0 and gradient_step > 0`): a
         skipped step right after an emitting one leaves it `True`, as in
         optax; `state.skip_state` tells the two apart."""
+        check_state(state, "has_updated")
         return jnp.logical_and(
             jnp.asarray(state.mini_step) == 0, jnp.asarray(state.gradient_step) > 0
         )

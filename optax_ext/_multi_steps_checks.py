@@ -26,7 +26,7 @@ from ._tree import (
     check_same_structure,
     describe_value,
 )
-from ._weighted import NO_WEIGHT, check_state_kind, check_weight
+from ._weighted import NO_WEIGHT, check_state_kind, check_weight, check_weight_held
 
 INT32_MAX = int(jnp.iinfo(jnp.int32).max)
 
@@ -73,6 +73,8 @@ def check_step(
     extra_args = dict(extra_args)
     weight = check_weight(extra_args.pop("weight", NO_WEIGHT), weighted, method)
     check_state_kind(state, weighted, method)
+    if weighted:
+        check_weight_held(weight, jnp.result_type(state.acc_weight), method)
     acc = devices.drop_axis(state.acc_grads)
     if params is not None:
         params = accumulated(params)
@@ -199,6 +201,15 @@ def check_state(state: Any, method: str) -> None:
                 f"MultiSteps.{method}'s `state.{name}` must be a scalar integer "
                 f"array (as MultiSteps.init builds it), got {describe_value(value)}."
             )
+
+
+def check_use_grad_mean(use_grad_mean: Any) -> bool:
+    if not isinstance(use_grad_mean, bool | np.bool_):
+        raise TypeError(
+            "use_grad_mean must be True (the window's gradients averaged) or "
+            f"False (summed), got {describe_value(use_grad_mean)}."
+        )
+    return bool(use_grad_mean)
 
 
 def check_skip_fn(fn: Any) -> Callable | None:

@@ -148,13 +148,14 @@ class _SkipWhen(Configured):
         `TrainState.apply_gradients`) run `inner`."""
         given = extra_args.pop(self.flag, False)
         try:
-            skip = jnp.asarray(given)
+            skip = None if given is None else jnp.asarray(given)
         except TypeError:
             skip = None
         if skip is None or skip.dtype != jnp.bool_ or skip.shape != ():
             raise TypeError(
                 f"skip_when: {self.flag} must be a scalar bool (True skips the "
-                f"step), got {describe_value(given)}."
+                f"step; leave it out, or pass False, to run it), got "
+                f"{describe_value(given)}."
             )
         # A value known while tracing stays one (`jnp.asarray` of it traces).
         return given if known_bool(given) is not None else skip
@@ -170,8 +171,9 @@ def skip_when(
     `optax.chain`, which forwards extra arguments), so a jitted step compiles
     once for both outcomes. The flag is optional: an `update` called without
     it (as flax's `TrainState.apply_gradients` calls it) is not skipped, and
-    `inner` runs as if unwrapped. Mind its spelling: a misspelt keyword is
-    forwarded to `inner` like any other extra argument, and does not skip.
+    `inner` runs as if unwrapped (for the params it optimises: below). Mind
+    its spelling: a misspelt keyword is forwarded to `inner` like any other
+    extra argument, and does not skip.
     On a skipped step the updates are exact zeros in the inner updates' dtype
     and the inner state is returned untouched; on other steps `inner` runs
     as usual. The state is `inner`'s own, so wrapping changes no checkpoint,

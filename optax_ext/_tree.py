@@ -72,7 +72,14 @@ def check_same_structure(
     got_paths = {jax.tree_util.keystr(p): leaf for p, leaf in got_leaves}
     for path, leaf in exp_paths.items():
         if path not in got_paths:
-            problem = f"{got_name} have nothing at {path or 'the root'}, where "
+            deeper = [p for p in got_paths if p.startswith(path)]
+            held = (
+                f"a tree with leaves at {', '.join(deeper[:3])}"
+                + (", ..." if len(deeper) > 3 else "")
+                if deeper
+                else "nothing"
+            )
+            problem = f"{got_name} have {held} at {path or 'the root'}, where "
             problem += f"{expected_name} hold {_describe(leaf)}"
             break
         if (leaf is None) != (got_paths[path] is None):

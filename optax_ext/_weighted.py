@@ -79,6 +79,26 @@ def check_weight(weight: Any, weighted: bool, method: str) -> Any:
     return weight
 
 
+def check_weight_held(weight: Any, dtype: Any, method: str) -> None:
+    """Refuses a known weight that the dtype the window's weights are summed
+    in (`state.acc_weight`'s) does not hold: a positive one below its
+    smallest normal number, which XLA flushes to 0, or one above its
+    largest, which becomes infinity."""
+    try:
+        known = float(np.asarray(weight))
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return
+    tiny, largest = float(np.finfo(dtype).tiny), float(np.finfo(dtype).max)
+    if 0 < known < tiny or known > largest:
+        raise ValueError(
+            f"MultiSteps.{method}'s `weight` is {known!r}, which the window's "
+            f"weights (summed in {np.dtype(dtype)}, as state.acc_weight) "
+            f"do not hold: {np.dtype(dtype)} keeps {tiny:.3g} to "
+            f"{largest:.3g}, and XLA flushes a smaller one to 0. "
+            "Only the weights' ratios matter: scale them all alike."
+        )
+
+
 def check_weighted(weighted: Any, use_grad_mean: Any) -> bool:
     if not isinstance(weighted, bool | np.bool_):
         raise TypeError(

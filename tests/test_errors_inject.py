@@ -106,6 +106,43 @@ def test_hyperparam_dtype_that_cannot_hold_the_values(dtype):
         optax_ext.inject_hyperparams(optax.sgd, hyperparam_dtype=dtype)
 
 
+@pytest.mark.parametrize(
+    "dtype, name, value, becomes",
+    [
+        (jnp.bfloat16, "b2", 0.999, "1"),  # optax: Adam's update NaN
+        (jnp.float16, "eps", 1e-8, "0"),  # optax: eps 0, a 0 / 0 for a 0 gradient
+        (jnp.float16, "eps_root", 1e5, "infinity"),
+    ],
+)
+def test_hyperparam_dtype_that_rounds_a_value_to_0_1_or_inf(
+    dtype, name, value, becomes
+):
+    """hyperparam_dtype=jnp.bfloat16 stores b2=0.999 as 1.0, as optax does:
+    Adam's second moment then divides by 1 - b2 = 0. A known value that the
+    dtype turns into 0, 1 or infinity is refused, at init and when written
+    into the state; named in static_args it is handed over as given."""
+    bf16 = {"w": jnp.ones(3, jnp.bfloat16)}
+    held = {"learning_rate": 1e-2, "b2": 0.9, "eps": 1e-3, "eps_root": 0.0}
+    build = optax_ext.inject_hyperparams(optax.adam, hyperparam_dtype=dtype)
+    match = (
+        rf"\['{name}'\] holds {value!r}, which {jnp.dtype(dtype)} rounds to {becomes}"
+    )
+    with pytest.raises(ValueError, match=match):
+        build(**{**held, name: value}).init(bf16)
+    kept = optax_ext.inject_hyperparams(
+        optax.adam, hyperparam_dtype=dtype, static_args=name
+    )(**{**held, name: value})
+    state = kept.init(bf16)
+    u, _ = kept.update(jax.tree.map(lambda p: p * 0.1, bf16), state, bf16)
+    assert jnp.isfinite(u["w"].astype(jnp.float32)).all()
+    # Written into a state that stores it in the narrow dtype.
+    opt = build(**held)
+    state = opt.init(bf16)
+    state.hyperparams[name] = jnp.float32(value)
+    with pytest.raises(ValueError, match=match.replace(f"{value!r}", r"Array\(.*\)")):
+        opt.update(bf16, state, bf16)
+
+
 def test_writing_a_name_that_is_not_injected():
     """optax ignores state.hyperparams['weight_decay'] for adam: refused."""
     opt = optax_ext.inject_hyperparams(optax.adam)(learning_rate=0.1)
@@ -144,14 +181,15 @@ def test_writing_a_float_into_an_integer_hyperparameter():
         (jnp.full((1,), 1e-3, jnp.float32), ValueError, r"shape \(1,\).*shape \(\)"),
         ("0.1", TypeError, r"'0.1' \(a str\).*Write a number"),
         (jnp.asarray(True), TypeError, r"a bool would be taken as 0 or 1"),
+        (None, TypeError, r"None \(a NoneType\).*Write a number"),
     ],
-    ids=["matrix", "vector", "string", "bool"],
+    ids=["matrix", "vector", "string", "bool", "None"],
 )
 def test_writing_a_value_of_another_shape_or_kind(written, error, match):
     """Written into the state, a learning rate of shape (2, 2) broadcast the
     updates and changed the params' shapes, one of shape (1,) retraced the
-    step, a string failed deep inside JAX and a bool was taken as 1.0 (as in
-    optax): each is refused, naming the entry."""
+    step, a string or None failed deep inside JAX and a bool was taken as
+    1.0 (as in optax): each is refused, naming the entry."""
     opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=0.1)
     state = opt.init(P)
     state.hyperparams["learning_rate"] = written

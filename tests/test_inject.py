@@ -337,10 +337,10 @@ def test_hypergradient_matches_hand_computation():
 def test_static_args_and_hyperparam_dtype_are_kept():
     p = jnp.ones(3)
     opt = optax_ext.inject_hyperparams(
-        optax.adamw, static_args="weight_decay", hyperparam_dtype=jnp.bfloat16
+        optax.adamw, static_args=("weight_decay", "b2"), hyperparam_dtype=jnp.bfloat16
     )(learning_rate=1e-2, weight_decay=1e-4)
     state = jax.jit(opt.init)(p)
-    assert "weight_decay" not in state.hyperparams
+    assert "weight_decay" not in state.hyperparams and "b2" not in state.hyperparams
     assert state.hyperparams["b1"].dtype == jnp.bfloat16
     assert not state.hyperparams["b1"].weak_type
     with pytest.raises(ValueError, match="not_an_arg"):

@@ -185,6 +185,40 @@ def test_wrong_state_names_the_argument(which, jit):
         update(jnp.ones(2), _bad_states()[which], jnp.zeros(2))
 
 
+@pytest.mark.parametrize("method", ["emits_next", "has_updated", "optax_state"])
+@pytest.mark.parametrize("which", ["adam state", "None"])
+def test_wrong_state_in_the_state_readers_names_it(method, which):
+    """`emits_next` (the check the docs give for a resumed loop),
+    `has_updated` and `optax_state` gave `AttributeError: 'tuple' object has
+    no attribute 'mini_step'`."""
+    opt = optax_ext.MultiSteps(optax.adam(1e-3), 2)
+    with pytest.raises(
+        TypeError, match=rf"MultiSteps.{method}'s `state` must be the optax."
+    ):
+        getattr(opt, method)(_bad_states()[which])
+
+
+@pytest.mark.parametrize("value", [None, "no", 0.5, 1])
+def test_use_grad_mean_must_be_a_bool(value):
+    """Optax takes any value and branches on its truth: None silently sums."""
+    with pytest.raises(TypeError, match=r"use_grad_mean must be True .* or False"):
+        optax_ext.MultiSteps(optax.sgd(1.0), 2, use_grad_mean=value)
+    optax_ext.MultiSteps(optax.sgd(1.0), 2, use_grad_mean=np.bool_(False))
+
+
+def test_a_container_where_an_array_is_expected_is_described():
+    """A list of gradients where the params hold an array was reported as
+    'nothing' there."""
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), 2)
+    params = {"w": jnp.zeros(2)}
+    with pytest.raises(
+        ValueError,
+        match=r"the updates have a tree with leaves at \['w'\]\[0\], \['w'\]\[1\] "
+        r"at \['w'\], where the accumulated gradients in the state hold an array",
+    ):
+        opt.update({"w": [1.0, 1.0]}, opt.init(params), params)
+
+
 def test_another_optimizers_multi_steps_state_is_refused():
     params = jnp.zeros(2)
     sgd_state = optax_ext.MultiSteps(optax.sgd(1.0), 2).init(params)

@@ -429,7 +429,13 @@ P3 = {"w": jnp.ones(3)}
         (
             lambda sw: sw.update(P3, sw.init(P3), P3, skip="yes"),
             TypeError,
-            r"skip must be a scalar bool \(True skips the step\), got 'yes'",
+            r"skip must be a scalar bool \(True skips the step; leave it out, "
+            r"or pass False, to run it\), got 'yes'",
+        ),
+        (
+            lambda sw: sw.update(P3, sw.init(P3), P3, skip=None),
+            TypeError,
+            r"skip must be a scalar bool .*, got None",
         ),
         (
             lambda sw: optax_ext.apply_gradients(sw, P3, None, P3),

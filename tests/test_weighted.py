@@ -336,6 +336,10 @@ def test_weight_without_weighted_is_named():
         (-1, ValueError, r"finite and >= 0, got -1"),
         (float("nan"), ValueError, r"finite and >= 0, got nan"),
         (jnp.float32(-2.0), ValueError, r"finite and >= 0, got -2"),
+        # float32 sums the weights: XLA flushed 1e-39 to 0, and the window
+        # emitted zeros with no sign; 1e39 is infinity there.
+        (1e-39, ValueError, r"is 1e-39, which .* float32 keeps 1.18e-38 to 3.4e\+38"),
+        (1e39, ValueError, r"is 1e\+39, which .*float32.*do not hold"),
     ],
 )
 def test_bad_weight_is_refused(weight, error, match):
