@@ -85,7 +85,10 @@ def inject_hyperparams(
     **Errors**, each naming the argument: a number given as a string, a
     non-floating `hyperparam_dtype` (at construction); a factory that does not
     return a transformation, a schedule whose value is not a scalar number, a
-    mask that does not fit the params (at `init`); a name written into
+    mask that does not fit the params, a value given or written that its
+    storage dtype rounds to 0, 1 or infinity (`b2=0.999` in bfloat16: Adam's
+    updates would be NaN; a schedule's values are not checked) (at `init`,
+    or `update` where known); a name written into
     `state.hyperparams` that is not injected (a `KeyError`), a float written
     into an integer hyperparameter, a state built by another optimizer (a
     `TypeError`), updates whose tree does not fit the params passed with

@@ -144,7 +144,7 @@ class Injection(Configured):
         return value
 
     def _as_state_value(
-        self, name: str, value: Any, dtype: Any, where: str
+        self, name: str, value: Any, dtype: Any, where: str, check: bool = True
     ) -> jax.Array:
         """`value` as a strongly typed array of `dtype`; a cast to another
         kind (a float into an int hyperparameter, a bool into a number) is
@@ -183,14 +183,16 @@ class Injection(Configured):
                 f"the value. Write a value of dtype {dtype}, or build the "
                 f"optimizer with {name} given as a value of the dtype you need."
             )
-        self._check_kept(name, value, dtype, where)
+        if check:
+            self._check_kept(name, value, dtype, where)
         return jnp.asarray(array, dtype)  # strong: no weak type to lose
 
     def _check_kept(self, name: str, value: Any, dtype: Any, where: str) -> None:
-        """Refuses a known value that storing in a narrow `dtype`
-        (`hyperparam_dtype=jnp.bfloat16`) turns into 0, 1 or infinity: Adam's
+        """Refuses a known value that its storage `dtype` turns into 0 (from
+        nonzero), 1 (from a decay rate in (0, 1)) or infinity: Adam's
         `b2=0.999` becomes 1.0 in bfloat16 and its update NaN, `eps=1e-8`
-        becomes 0 in float16. Other roundings are what the dtype asked for."""
+        becomes 0 in float16. Other roundings are what the dtype asked
+        for. A traced value is not checked, nor a schedule's."""
         if isinstance(value, jax.core.Tracer) or not jnp.issubdtype(
             dtype, jnp.floating
         ):
@@ -200,20 +202,25 @@ class Injection(Configured):
             stored = wanted.astype(dtype).astype(np.float64)
         for lost, becomes in (
             ((wanted != 0) & (stored == 0), "0"),
-            ((wanted != 1) & (stored == 1), "1"),
+            ((wanted > 0) & (wanted < 1) & (stored == 1), "1"),
             (np.isfinite(wanted) & ~np.isfinite(stored), "infinity"),
         ):
             if np.any(lost):
+                wider = (
+                    "Store the hyperparameters in a wider dtype "
+                    "(hyperparam_dtype=jnp.float32, or None to keep each "
+                    "value's own), name"
+                    if self.dtype is not None and jnp.finfo(dtype).bits < 32
+                    else "Enable float64 (`jax.config.update('jax_enable_x64', "
+                    "True)`), name"
+                )
                 raise ArgumentValueError(
                     f"{where} holds {value!r}, which {jnp.dtype(dtype)} "
                     f"rounds to {becomes}: stored so, it would change what "
                     f"{self._name} computes (a decay rate of 1 averages "
-                    "nothing, an eps of 0 divides by 0). Store the "
-                    "hyperparameters in a wider dtype (hyperparam_dtype="
-                    "jnp.float32, or None to keep each value's own), name "
-                    f"{name} in static_args (handed to {self._name} as "
-                    "given), or give it a value that "
-                    f"{jnp.dtype(dtype)} holds."
+                    f"nothing, an eps of 0 divides by 0). {wider} {name} in "
+                    f"static_args (handed to {self._name} as given), or give "
+                    f"it a value that {jnp.dtype(dtype)} holds."
                 )
 
     def _as_factory_argument(
@@ -250,7 +257,7 @@ class Injection(Configured):
                 "a schedule must return a number (int, float or complex)."
             )
         return self._as_state_value(
-            name, array, self._storage_dtype(name, array, value), name
+            name, array, self._storage_dtype(name, array, value), name, check=False
         )
 
     def _hyperparams(

@@ -31,7 +31,7 @@ from ._accumulate.window import run_window
 from ._leaves import accumulated, restore_none
 from ._multi_steps_checks import (
     check_skip_fn,
-    check_state,
+    check_state_fields,
     check_step,
     check_use_grad_mean,
     skip_decision,
@@ -417,7 +417,7 @@ class MultiSteps(Configured):
         updates, _ = theirs.update(jnp.ones(3), opt.optax_state(state))
         ```
         """
-        check_state(state, "optax_state")
+        check_state_fields(state, "optax_state")
         start = jnp.asarray(state.mini_step) == 0
         acc = jax.tree.map(
             lambda a: jnp.where(start, jnp.zeros_like(a), a), state.acc_grads
@@ -444,7 +444,7 @@ class MultiSteps(Configured):
         assert opt.emits_next(state)
         ```
         """
-        check_state(state, "emits_next")
+        check_state_fields(state, "emits_next")
         counters = (state.mini_step, state.gradient_step)
         if any(isinstance(c, jax.core.Tracer) for c in counters):
             raise TypeError(
@@ -462,7 +462,7 @@ class MultiSteps(Configured):
         the counters as in optax (`mini_step == 0 and gradient_step > 0`): a
         skipped step right after an emitting one leaves it `True`, as in
         optax; `state.skip_state` tells the two apart."""
-        check_state(state, "has_updated")
+        check_state_fields(state, "has_updated")
         return jnp.logical_and(
             jnp.asarray(state.mini_step) == 0, jnp.asarray(state.gradient_step) > 0
         )

@@ -168,6 +168,24 @@ def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
 def check_state(state: Any, method: str) -> None:
     """Raises a `TypeError` unless `state` is a `MultiStepsState`-like value
     with scalar integer counters."""
+    check_state_fields(state, method)
+    for name in ("mini_step", "gradient_step"):
+        value = getattr(state, name)
+        dtype = getattr(value, "dtype", None)
+        if (
+            dtype is None
+            or not jnp.issubdtype(dtype, jnp.integer)
+            or jnp.shape(value) != ()
+        ):
+            raise TypeError(
+                f"MultiSteps.{method}'s `state.{name}` must be a scalar integer "
+                f"array (as MultiSteps.init builds it), got {describe_value(value)}."
+            )
+
+
+def check_state_fields(state: Any, method: str) -> None:
+    """Raises a `TypeError` unless `state` has `MultiStepsState`'s fields
+    (counters of any shape: `has_updated` reads a stack of states too)."""
     fields = optax.MultiStepsState._fields
     missing = [f for f in fields if not hasattr(state, f)]
     if missing:
@@ -189,18 +207,6 @@ def check_state(state: Any, method: str) -> None:
             f"that MultiSteps.init returned, got {describe_value(state)}, which "
             f"has no {', '.join(missing)}. {hint}"
         )
-    for name in ("mini_step", "gradient_step"):
-        value = getattr(state, name)
-        dtype = getattr(value, "dtype", None)
-        if (
-            dtype is None
-            or not jnp.issubdtype(dtype, jnp.integer)
-            or jnp.shape(value) != ()
-        ):
-            raise TypeError(
-                f"MultiSteps.{method}'s `state.{name}` must be a scalar integer "
-                f"array (as MultiSteps.init builds it), got {describe_value(value)}."
-            )
 
 
 def check_use_grad_mean(use_grad_mean: Any) -> bool:

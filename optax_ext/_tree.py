@@ -72,7 +72,11 @@ def check_same_structure(
     got_paths = {jax.tree_util.keystr(p): leaf for p, leaf in got_leaves}
     for path, leaf in exp_paths.items():
         if path not in got_paths:
-            deeper = [p for p in got_paths if p.startswith(path)]
+            deeper = [
+                p
+                for p in got_paths
+                if p.startswith(path) and p[len(path) : len(path) + 1] in "[."
+            ]
             held = (
                 f"a tree with leaves at {', '.join(deeper[:3])}"
                 + (", ..." if len(deeper) > 3 else "")

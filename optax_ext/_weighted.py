@@ -88,7 +88,7 @@ def check_weight_held(weight: Any, dtype: Any, method: str) -> None:
         known = float(np.asarray(weight))
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return
-    tiny, largest = float(np.finfo(dtype).tiny), float(np.finfo(dtype).max)
+    tiny, largest = float(jnp.finfo(dtype).tiny), float(jnp.finfo(dtype).max)
     if 0 < known < tiny or known > largest:
         raise ValueError(
             f"MultiSteps.{method}'s `weight` is {known!r}, which the window's "

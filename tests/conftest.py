@@ -1,4 +1,5 @@
 import os
+import shlex
 
 # CPU unless the caller chose: `JAX_PLATFORMS=cuda` (or set and empty, for
 # JAX's own choice) runs the suite on a GPU (README, "Running the tests on a
@@ -77,11 +78,16 @@ def _long_first(items, workers):
 def pytest_configure(config):
     """`pytest -n W` without `--dist` schedules by worksteal, the shares
     `_long_first` deals for. (In `addopts` the option would make a run
-    without xdist, `pytest -p no:xdist`, fail.) An explicit `--dist` is
-    kept, as are the workers' own configs, whose `dist` reads "no"."""
+    without xdist, `pytest -p no:xdist`, fail.) An explicit `--dist` or
+    `-d` (in the arguments or `PYTEST_ADDOPTS`) is kept, as are the
+    workers' own configs, whose `dist` reads "no"."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
-    given = any(arg.startswith("--dist") for arg in config.invocation_params.args)
+    args = [
+        *config.invocation_params.args,
+        *shlex.split(os.environ.get("PYTEST_ADDOPTS", "")),
+    ]
+    given = config.getoption("distload") or any(a.startswith("--dist") for a in args)
     if config.getoption("dist") == "load" and not given:
         config.option.dist = "worksteal"
 

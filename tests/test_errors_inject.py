@@ -143,6 +143,31 @@ def test_hyperparam_dtype_that_rounds_a_value_to_0_1_or_inf(
         opt.update(bf16, state, bf16)
 
 
+def test_roundings_that_keep_the_value_s_role_are_accepted():
+    """Only 0, 1 (from a decay rate in (0, 1)) and infinity are refused: a
+    learning rate of 1.001 rounds to 1.0 in bfloat16 as asked. A schedule's
+    values are not checked (under jit they cannot be), eagerly neither."""
+    bf16 = {"w": jnp.ones(3, jnp.bfloat16)}
+    sgd = optax_ext.inject_hyperparams(optax.sgd, hyperparam_dtype=jnp.bfloat16)
+    state = sgd(learning_rate=1.001).init(bf16)
+    assert state.hyperparams["learning_rate"] == 1
+    scheduled = optax_ext.inject_hyperparams(
+        optax.adam, hyperparam_dtype=jnp.bfloat16, static_args="b2"
+    )(learning_rate=1e-2, b1=lambda count: 0.9995)
+    eager = scheduled.update(bf16, scheduled.init(bf16), bf16)[1]
+    jitted = jax.jit(scheduled.update)(bf16, jax.jit(scheduled.init)(bf16), bf16)[1]
+    assert eager.hyperparams["b1"] == jitted.hyperparams["b1"] == 1
+
+
+def test_float32_storage_that_rounds_a_decay_to_1_points_to_x64():
+    """Without hyperparam_dtype a Python float is stored in float32, which
+    rounds b2=0.99999999 to 1: refused, pointing to float64 or static_args."""
+    with pytest.raises(
+        ValueError, match=r"float32 rounds to 1.*jax_enable_x64.*name b2 in static_args"
+    ):
+        optax_ext.inject_hyperparams(optax.adam)(1e-3, b2=0.99999999).init(P)
+
+
 def test_writing_a_name_that_is_not_injected():
     """optax ignores state.hyperparams['weight_decay'] for adam: refused."""
     opt = optax_ext.inject_hyperparams(optax.adam)(learning_rate=0.1)

@@ -198,6 +198,24 @@ def test_wrong_state_in_the_state_readers_names_it(method, which):
         getattr(opt, method)(_bad_states()[which])
 
 
+def test_has_updated_reads_stacked_states_and_python_counters_as_optax():
+    """The state readers check the state's fields, not its counters' shape:
+    `has_updated` of a stack of states (one per vmapped run) or of Python
+    int counters answers as optax's does."""
+    ours = optax_ext.MultiSteps(optax.adam(1e-3), 2)
+    theirs = optax.MultiSteps(optax.adam(1e-3), 2)
+    stacked = jax.vmap(ours.init)({"w": jnp.ones((4, 3))})
+    stacked = stacked._replace(
+        mini_step=jnp.array([0, 1, 0, 1]), gradient_step=jnp.array([0, 0, 2, 2])
+    )
+    np.testing.assert_array_equal(
+        ours.has_updated(stacked), theirs.has_updated(stacked)
+    )
+    assert list(ours.has_updated(stacked)) == [False, False, True, False]
+    plain = ours.init({"w": jnp.ones(3)})._replace(mini_step=0, gradient_step=3)
+    assert bool(ours.has_updated(plain)) and bool(theirs.has_updated(plain))
+
+
 @pytest.mark.parametrize("value", [None, "no", 0.5, 1])
 def test_use_grad_mean_must_be_a_bool(value):
     """Optax takes any value and branches on its truth: None silently sums."""

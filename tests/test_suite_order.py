@@ -2,6 +2,7 @@
 starts first exist, and are dealt to the start of each worker's share."""
 
 import ast
+import os
 import pathlib
 import types
 
@@ -69,29 +70,57 @@ def test_the_hook_deals_over_the_workers(worker):
         assert items == [first, second] + short
 
 
-def _config(dist, args, xdist=True):
+def _config(dist, args, distload=False):
     return types.SimpleNamespace(
-        pluginmanager=types.SimpleNamespace(hasplugin=lambda name: xdist),
+        pluginmanager=types.SimpleNamespace(hasplugin=lambda name: True),
         invocation_params=types.SimpleNamespace(args=args),
         option=types.SimpleNamespace(dist=dist),
-        getoption=lambda name: dist,
+        getoption=lambda name: {"dist": dist, "distload": distload}[name],
     )
 
 
 @pytest.mark.parametrize(
-    "dist, args, expected",
+    "dist, args, addopts, expected",
     [
-        ("load", ("-n", "2", "tests"), "worksteal"),  # -n alone: xdist says load
-        ("load", ("-n", "2", "--dist", "load"), "load"),
-        ("load", ("-n", "2", "--dist=load"), "load"),
-        ("loadgroup", ("-n", "2", "--dist", "loadgroup"), "loadgroup"),
-        ("no", ("tests",), "no"),  # no -n, or an xdist worker's own config
+        ("load", ("-n", "2", "tests"), "", "worksteal"),  # -n alone: xdist says load
+        ("load", ("-n", "2", "--dist", "load"), "", "load"),
+        ("load", ("-n", "2", "--dist=load"), "", "load"),
+        ("load", ("-n", "2", "-d"), "", "load"),  # -d: --dist=load
+        ("load", ("-n", "2"), "--dist=load", "load"),
+        ("loadgroup", ("-n", "2", "--dist", "loadgroup"), "", "loadgroup"),
+        ("no", ("tests",), "", "no"),  # no -n, or an xdist worker's own config
     ],
 )
-def test_n_alone_schedules_by_worksteal(dist, args, expected):
-    config = _config(dist, args)
+def test_n_alone_schedules_by_worksteal(dist, args, addopts, expected, monkeypatch):
+    monkeypatch.setenv("PYTEST_ADDOPTS", addopts)
+    config = _config(dist, args, distload="-d" in args)
     conftest.pytest_configure(config)
     assert config.option.dist == expected
+
+
+def test_n_alone_schedules_by_worksteal_in_a_real_run():
+    """The same through xdist's own option parsing."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "-v",
+            str(TESTS / "test_suite_order.py")
+            + "::test_every_long_test_is_a_test_of_the_suite",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=TESTS.parent,
+        env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "scheduling tests via WorkStealingScheduling" in run.stdout, run.stdout
 
 
 def test_the_suite_runs_without_xdist():
@@ -100,7 +129,7 @@ def test_the_suite_runs_without_xdist():
     import sys
 
     config = _config(None, ())
-    config.pluginmanager.hasplugin = lambda name: False
+    config.pluginmanager = types.SimpleNamespace(hasplugin=lambda name: False)
     config.getoption = None  # reading an option xdist adds would fail
     conftest.pytest_configure(config)
     run = subprocess.run(
