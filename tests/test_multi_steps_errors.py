@@ -146,6 +146,23 @@ def test_accumulator_dtype_must_be_inexact(bad):
         optax_ext.MultiSteps(optax.sgd(1.0), 2, accumulator_dtype=bad)
 
 
+@pytest.mark.parametrize("wide", [np.float64, jnp.complex128])
+def test_64_bit_accumulator_without_x64_is_refused(wide):
+    """Without x64 JAX canonicalises float64 to float32: the accumulator
+    came out float32, with no sign but JAX's warning at init."""
+    if jax.config.jax_enable_x64:
+        pytest.skip("x64 is on: float64 is what it says")
+    with pytest.raises(ValueError, match=r"needs 64-bit JAX.*jax_enable_x64"):
+        optax_ext.MultiSteps(optax.sgd(1.0), 2, accumulator_dtype=wide)
+    with pytest.raises(ValueError, match=r"needs 64-bit JAX"):
+        optax_ext.microbatched(lambda p, x: p * x, 2, accumulator_dtype=np.float64)
+    # Python's float names JAX's default float, as in jnp.zeros(3, float).
+    state = optax_ext.MultiSteps(optax.sgd(1.0), 2, accumulator_dtype=float).init(
+        jnp.zeros(2, jnp.bfloat16)
+    )
+    assert state.acc_grads.dtype == jnp.float32
+
+
 def test_params_and_accumulator_dtype_without_a_common_dtype_name_both():
     """float8_e4m3fn and float8_e5m2 do not hold each other's values."""
     opt = optax_ext.MultiSteps(optax.sgd(1.0), 2, accumulator_dtype=jnp.float8_e5m2)

@@ -41,7 +41,18 @@ def check_accumulator_dtype(accumulator_dtype: Any, *, complex_ok: bool) -> Any:
             f"accumulator_dtype must be {what} (jnp.float32, the default, or "
             f"wider) or None, got {accumulator_dtype!r}."
         )
-    return jax.dtypes.canonicalize_dtype(dtype)
+    canonical = jax.dtypes.canonicalize_dtype(dtype)
+    # Python's float and complex name JAX's default dtypes, as in jnp.zeros.
+    default = accumulator_dtype in (float, complex, "float", "complex")
+    if canonical != dtype and not default:
+        raise ValueError(
+            f"accumulator_dtype={dtype} needs 64-bit JAX: without it JAX makes "
+            f"it {canonical}, and the accumulator would round to it. Enable it "
+            "before building the optimizer (`jax.config.update("
+            "'jax_enable_x64', True)`), or pass accumulator_dtype="
+            f"jnp.{canonical}."
+        )
+    return canonical
 
 
 def holds(wide: Any, narrow: Any) -> bool:
