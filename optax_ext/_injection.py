@@ -206,14 +206,19 @@ class Injection(Configured):
             (np.isfinite(wanted) & ~np.isfinite(stored), "infinity"),
         ):
             if np.any(lost):
-                wider = (
-                    "Store the hyperparameters in a wider dtype "
-                    "(hyperparam_dtype=jnp.float32, or None to keep each "
-                    "value's own), name"
-                    if self.dtype is not None and jnp.finfo(dtype).bits < 32
-                    else "Enable float64 (`jax.config.update('jax_enable_x64', "
-                    "True)`), name"
-                )
+                if self.dtype is not None:
+                    wider = (
+                        "Store the hyperparameters in a wider dtype (a wider "
+                        "hyperparam_dtype, or None to keep each value's own), "
+                        "name"
+                    )
+                elif not jax.config.jax_enable_x64:
+                    wider = (
+                        "Enable float64 (`jax.config.update('jax_enable_x64', "
+                        "True)`), name"
+                    )
+                else:
+                    wider = "Name"
                 raise ArgumentValueError(
                     f"{where} holds {value!r}, which {jnp.dtype(dtype)} "
                     f"rounds to {becomes}: stored so, it would change what "

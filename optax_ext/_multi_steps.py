@@ -30,6 +30,7 @@ from ._accumulate.devices import device_state
 from ._accumulate.window import run_window
 from ._leaves import accumulated, restore_none
 from ._multi_steps_checks import (
+    check_scalar_counters,
     check_skip_fn,
     check_state_fields,
     check_step,
@@ -417,7 +418,7 @@ class MultiSteps(Configured):
         updates, _ = theirs.update(jnp.ones(3), opt.optax_state(state))
         ```
         """
-        check_state_fields(state, "optax_state")
+        check_scalar_counters(state, "optax_state")
         start = jnp.asarray(state.mini_step) == 0
         acc = jax.tree.map(
             lambda a: jnp.where(start, jnp.zeros_like(a), a), state.acc_grads
@@ -444,7 +445,7 @@ class MultiSteps(Configured):
         assert opt.emits_next(state)
         ```
         """
-        check_state_fields(state, "emits_next")
+        check_scalar_counters(state, "emits_next")
         counters = (state.mini_step, state.gradient_step)
         if any(isinstance(c, jax.core.Tracer) for c in counters):
             raise TypeError(

@@ -183,6 +183,24 @@ def check_state(state: Any, method: str) -> None:
             )
 
 
+def check_scalar_counters(state: Any, method: str) -> None:
+    """`check_state_fields`, and counters that are scalar integers (arrays
+    or Python ints): what reading one state's window needs."""
+    check_state_fields(state, method)
+    for name in ("mini_step", "gradient_step"):
+        value = getattr(state, name)
+        try:
+            dtype = jnp.result_type(value)
+        except TypeError:
+            dtype = None
+        if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or jnp.ndim(value):
+            raise TypeError(
+                f"MultiSteps.{method}'s `state.{name}` must be a scalar integer "
+                f"(one state's counter; for a stack of states, jax.vmap "
+                f"MultiSteps.{method}), got {describe_value(value)}."
+            )
+
+
 def check_state_fields(state: Any, method: str) -> None:
     """Raises a `TypeError` unless `state` has `MultiStepsState`'s fields
     (counters of any shape: `has_updated` reads a stack of states too)."""

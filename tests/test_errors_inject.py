@@ -168,6 +168,13 @@ def test_float32_storage_that_rounds_a_decay_to_1_points_to_x64():
         optax_ext.inject_hyperparams(optax.adam)(1e-3, b2=0.99999999).init(P)
 
 
+def test_rounding_advice_fits_the_storage():
+    """With hyperparam_dtype given, the advice is a wider one, not x64."""
+    opt = optax_ext.inject_hyperparams(optax.adam, hyperparam_dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"rounds to 1.*a wider hyperparam_dtype"):
+        opt(1e-3, b2=1 - 1e-9).init(P)
+
+
 def test_writing_a_name_that_is_not_injected():
     """optax ignores state.hyperparams['weight_decay'] for adam: refused."""
     opt = optax_ext.inject_hyperparams(optax.adam)(learning_rate=0.1)

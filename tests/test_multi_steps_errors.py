@@ -146,7 +146,9 @@ def test_accumulator_dtype_must_be_inexact(bad):
         optax_ext.MultiSteps(optax.sgd(1.0), 2, accumulator_dtype=bad)
 
 
-@pytest.mark.parametrize("wide", [np.float64, jnp.complex128])
+@pytest.mark.parametrize(
+    "wide", [np.float64, jnp.complex128, np.dtype("float64"), "float64"]
+)
 def test_64_bit_accumulator_without_x64_is_refused(wide):
     """Without x64 JAX canonicalises float64 to float32: the accumulator
     came out float32, with no sign but JAX's warning at init."""
@@ -231,6 +233,26 @@ def test_has_updated_reads_stacked_states_and_python_counters_as_optax():
     assert list(ours.has_updated(stacked)) == [False, False, True, False]
     plain = ours.init({"w": jnp.ones(3)})._replace(mini_step=0, gradient_step=3)
     assert bool(ours.has_updated(plain)) and bool(theirs.has_updated(plain))
+    assert ours.emits_next(plain._replace(mini_step=1))  # Python ints read too
+
+
+@pytest.mark.parametrize("method", ["emits_next", "optax_state"])
+def test_state_readers_of_one_window_refuse_a_stack_of_states(method):
+    """`optax_state` of a stack (counters of shape (n,)) lined `mini_step`
+    up with the accumulator's last axis: wrong numbers; `emits_next` cut a
+    float counter to an int. One state's counters are scalar integers."""
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), 2)
+    stacked = jax.vmap(opt.init)(jnp.zeros((3, 3)))
+    with pytest.raises(
+        TypeError, match=rf"{method}'s `state.mini_step` must be a scalar"
+    ):
+        getattr(opt, method)(stacked)
+    state = opt.init(jnp.zeros(3))._replace(mini_step=1.7)
+    with pytest.raises(TypeError, match=r"must be a scalar integer"):
+        getattr(opt, method)(state)
+    # vmapped, each state is one window's
+    starts = jax.vmap(opt.optax_state)(stacked._replace(mini_step=jnp.array([1, 0, 1])))
+    assert starts.acc_grads.shape == (3, 3)
 
 
 @pytest.mark.parametrize("value", [None, "no", 0.5, 1])
