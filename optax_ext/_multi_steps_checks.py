@@ -167,25 +167,14 @@ def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
 
 def check_state(state: Any, method: str) -> None:
     """Raises a `TypeError` unless `state` is a `MultiStepsState`-like value
-    with scalar integer counters."""
-    check_state_fields(state, method)
-    for name in ("mini_step", "gradient_step"):
-        value = getattr(state, name)
-        dtype = getattr(value, "dtype", None)
-        if (
-            dtype is None
-            or not jnp.issubdtype(dtype, jnp.integer)
-            or jnp.shape(value) != ()
-        ):
-            raise TypeError(
-                f"MultiSteps.{method}'s `state.{name}` must be a scalar integer "
-                f"array (as MultiSteps.init builds it), got {describe_value(value)}."
-            )
+    with scalar integer array counters."""
+    check_scalar_counters(state, method, arrays=True)
 
 
-def check_scalar_counters(state: Any, method: str) -> None:
-    """`check_state_fields`, and counters that are scalar integers (arrays
-    or Python ints): what reading one state's window needs."""
+def check_scalar_counters(state: Any, method: str, arrays: bool = False) -> None:
+    """`check_state_fields`, and counters that are scalar integers: what
+    reading one state's window needs (Python ints too, unless `arrays`, as
+    `update` needs them)."""
     check_state_fields(state, method)
     for name in ("mini_step", "gradient_step"):
         value = getattr(state, name)
@@ -193,11 +182,23 @@ def check_scalar_counters(state: Any, method: str) -> None:
             dtype = jnp.result_type(value)
         except TypeError:
             dtype = None
-        if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or jnp.ndim(value):
+        if (
+            dtype is None
+            or not jnp.issubdtype(dtype, jnp.integer)
+            or jnp.ndim(value)
+            or (arrays and not hasattr(value, "dtype"))
+        ):
+            what = (
+                "array (as MultiSteps.init builds it)"
+                if arrays
+                else (
+                    f"(one state's counter; for a stack of states, jax.vmap "
+                    f"MultiSteps.{method})"
+                )
+            )
             raise TypeError(
                 f"MultiSteps.{method}'s `state.{name}` must be a scalar integer "
-                f"(one state's counter; for a stack of states, jax.vmap "
-                f"MultiSteps.{method}), got {describe_value(value)}."
+                f"{what}, got {describe_value(value)}."
             )
 
 
