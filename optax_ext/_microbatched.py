@@ -262,7 +262,10 @@ def microbatched(
     is folded as the bfloat16 value it is, even where XLA fuses its
     computation into the fold (and would skip the rounding). They come back
     in `grad_fn`'s own dtypes. NaN and `inf` in one micro-batch make the
-    mean NaN or `inf`, as on the whole batch.
+    mean non-finite, as on the whole batch, but not always the same
+    non-finite value: an `inf` folded before another micro-batch comes
+    back NaN (`inf - inf` in the running mean), as in `optax.MultiSteps`,
+    where the whole batch gives `inf`.
 
     **Sharding:** with the batch sharded over a data axis, every device holds
     its rows of every micro-batch, accumulates its own gradients, and they

@@ -29,6 +29,7 @@ from ._accumulate.arithmetic import (
 )
 from ._sharding import (
     cast_varying,
+    manual_axes,
     sharded_type,
     split_leading,
     varying_axes,
@@ -99,7 +100,7 @@ def pcast_varying(tree: PyTree, axis_name: Hashable) -> PyTree:
             return x
         axes = varying_axes(x)
         names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-        missing = tuple(n for n in names if axes is None or n not in axes)
+        missing = tuple(n for n in manual_axes(names) if axes is None or n not in axes)
         if axes is None or not missing:
             return x
         return cast_varying(x, missing)

@@ -30,6 +30,7 @@ from ._accumulate.devices import device_state
 from ._accumulate.window import run_window
 from ._leaves import accumulated, restore_none
 from ._multi_steps_checks import (
+    check_k,
     check_scalar_counters,
     check_skip_fn,
     check_state_fields,
@@ -453,7 +454,10 @@ class MultiSteps(Configured):
                 "call it outside jax.jit (it got traced counters)."
             )
         mini, gradient = (int(c) for c in jax.device_get(counters))
-        k = self._every_k_schedule(jnp.asarray(gradient, jnp.int32))
+        step = jnp.asarray(gradient, jnp.int32)
+        schedule = self._every_k_schedule
+        jax.eval_shape(lambda s: check_k(schedule(s), s), step)
+        k = schedule(step)
         return bool(_window_complete(jnp.asarray(mini), jnp.asarray(k)))
 
     def has_updated(

@@ -82,6 +82,7 @@ def check_step(
     # Integer and Python-number params hold state (as in optax) but get a
     # `None` gradient from `eqx.filter_grad`: zeros there, `None` back in
     # the updates.
+    given = grads
     grads = zeros_where_undifferentiated(grads, params)
     check_gradients(grads, acc, accumulator_dtype)
     record = check_state_structure(
@@ -94,7 +95,7 @@ def check_step(
         state_name="state.inner_opt_state",
         owner="MultiSteps",
     )
-    devices.check_gradients(grads, acc)
+    devices.check_gradients(given, acc)
     gradient_step = jnp.asarray(state.gradient_step)
     k = check_k(every_k_schedule(gradient_step), gradient_step)
     return StepInputs(grads, params, weight, k, record, extra_args)

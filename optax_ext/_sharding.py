@@ -160,6 +160,15 @@ def aval_varying_axes(aval: Any) -> frozenset | None:
     return None if vma is None else frozenset(vma)
 
 
+def manual_axes(names: tuple) -> tuple:
+    """Those of the mesh axes `names` that are bound here by `jax.shard_map`
+    (`Manual` in the abstract mesh): the only axes a value can be typed as
+    varying over. A `jax.vmap` axis is bound but not one of them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    return tuple(n for n in names if types.get(n) == jax.sharding.AxisType.Manual)
+
+
 def cast_varying(x: jax.Array, axes: tuple) -> jax.Array:
     """`x` typed as differing across the mesh axes `axes` inside
     `jax.shard_map` (`jax.lax.pcast(..., to="varying")`, which jax 0.8 calls

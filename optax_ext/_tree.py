@@ -208,21 +208,33 @@ def check_updates_fit_params(updates: PyTree, params: PyTree, who: str) -> None:
 
     updates_def = jax.tree.structure(updates, is_leaf=is_none)
     params_def = jax.tree.structure(kept, is_leaf=is_none)
-    if updates_def == params_def:
-        return
-    try:
-        check_same_structure(
-            flat(kept),
-            flat(updates),
-            expected_name="the params",
-            got_name="the updates",
-            hint="Pass updates (gradients) with the structure of the params "
-            "passed with them; a None update may stand for any param leaf, "
-            "as `eqx.filter_grad` gives None for leaves it does not "
-            "differentiate.",
+    if updates_def != params_def:
+        try:
+            check_same_structure(
+                flat(kept),
+                flat(updates),
+                expected_name="the params",
+                got_name="the updates",
+                hint="Pass updates (gradients) with the structure of the params "
+                "passed with them; a None update may stand for any param leaf, "
+                "as `eqx.filter_grad` gives None for leaves it does not "
+                "differentiate.",
+            )
+        except ValueError as error:
+            raise ValueError(f"{who}: {error}") from None
+    for (path, p), u in zip(
+        jax.tree_util.tree_flatten_with_path(flat(kept))[0],
+        jax.tree.leaves(flat(updates)),
+        strict=True,
+    ):
+        if p is _NO_UPDATE or u is _NO_UPDATE or jnp.shape(u) == jnp.shape(p):
+            continue
+        raise ValueError(
+            f"{who}: at {jax.tree_util.keystr(path) or 'the root'} the updates "
+            f"have shape {jnp.shape(u)} but the params have shape "
+            f"{jnp.shape(p)}. Pass updates (gradients) with the shapes of the "
+            "params passed with them."
         )
-    except ValueError as error:
-        raise ValueError(f"{who}: {error}") from None
 
 
 def describe_value(value: Any) -> str:

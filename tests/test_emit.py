@@ -252,6 +252,61 @@ def test_resumed_host_loop_counts_from_the_state():
     assert not np.allclose(lost["w"], whole["w"])
 
 
+def test_with_skips_the_loop_asks_emits_next_and_equals_the_fused_step():
+    """The docs' rule for `should_skip_update_fn`: a skipped step does not
+    count, so a host count closes a window of more than K mini-steps after
+    a skip; choosing `emit=opt.emits_next(state)` on every step gives the
+    fused step's params, bit for bit (the same folds and inner step)."""
+    opt = optax_ext.MultiSteps(
+        optax.adamw(1e-2), K, should_skip_update_fn=optax.skip_not_finite
+    )
+    fused = jax.jit(lambda p, s, g: optax_ext.apply_gradients(opt, g, s, p))
+    grads = [_grads(t) for t in range(10)]
+    grads[3] = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads[3])  # an emit
+    want, want_state = PARAMS, opt.init(PARAMS)
+    asked, asked_state = PARAMS, opt.init(PARAMS)
+    counted, counted_state, mini = PARAMS, opt.init(PARAMS), 0
+    for g in grads:
+        want, want_state = fused(want, want_state, g)
+        asked, asked_state = _step(
+            opt, asked, asked_state, g, opt.emits_next(asked_state)
+        )
+        emit = mini == K - 1
+        counted, counted_state = _step(opt, counted, counted_state, g, emit)
+        mini = 0 if emit else mini + 1
+    assert int(want_state.gradient_step) == 2
+    for a, b in zip(jax.tree.leaves(asked), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # The host count emitted at step 3 (skipped) and closed the window at
+    # step 7 with 7 mini-steps; the second window is still open.
+    assert int(counted_state.gradient_step) == 1
+    assert not np.allclose(counted["w"], want["w"])
+
+
+def test_emits_next_refuses_what_the_jitted_update_refuses():
+    """`emits_next` reads the schedule as the jitted `update` does: a window
+    length known while tracing must be a whole number from 1 (0 and 2.5 are
+    refused by both), a traced one is handled at run time (0 never emits,
+    2.5 closes at 3), where both answer."""
+    for k in (lambda s: 0, lambda s: 2.5):
+        opt = optax_ext.MultiSteps(optax.sgd(1.0), k)
+        state = opt.init(PARAMS)
+        with pytest.raises(ValueError, match="every_k_schedule returned"):
+            opt.emits_next(state)
+        with pytest.raises(ValueError, match="every_k_schedule returned"):
+            jax.jit(opt.update)(PARAMS, state, PARAMS)
+    traced = {0: [False] * 4, 2.5: [False, False, True, False]}
+    for k, want in traced.items():
+        opt = optax_ext.MultiSteps(
+            optax.sgd(1.0), lambda s, k=k: jnp.float32(k) + 0 * s
+        )
+        state, answers = opt.init(PARAMS), []
+        for _ in range(4):
+            answers.append(opt.emits_next(state))
+            _, state = jax.jit(opt.update)(PARAMS, state, PARAMS)
+        assert answers == want, k
+
+
 @xla_cpu_only("compiled HLO of the host-chosen steps")
 @pytest.mark.parametrize("emit", [False, True])
 def test_host_chosen_steps_hold_no_conditional(emit):

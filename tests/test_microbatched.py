@@ -127,6 +127,22 @@ def test_matches_whole_batch_in_float64(name, jit):
         assert grads.activation is None
 
 
+def test_axis_name_of_a_vmap_averages_over_it():
+    """Under `jax.vmap(..., axis_name=)` (as under `shard_map`, one device
+    standing in for each mapped row) `microbatched(axis_name=)` averages
+    the rows' means: the whole batch's gradient (float64 reference). It
+    failed inside JAX: "pvary should be called under jax.shard_map"."""
+    params, (x, y) = _params(), _data()
+    per_row = optax_ext.microbatched(jax.grad(loss), 2, axis_name="rows")
+    rows = (x.reshape(4, N // 4, 3), y.reshape(4, N // 4))
+    got = jax.jit(jax.vmap(lambda b: per_row(params, b), axis_name="rows"))(rows)
+    with jax.enable_x64(True):
+        want = jax.grad(loss)(_f64(params), _f64((x, y)))
+    for name in params:
+        for row in got[name]:
+            _close(row, want[name])
+
+
 def loss_python_scale(params, batch):
     """`loss` times a Python float param: its gradient is weakly typed."""
     return loss(params, batch) * params["scale"]

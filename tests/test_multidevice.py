@@ -625,6 +625,103 @@ def test_replicated_gradients_are_rejected():
             )
 
 
+def _varying_along(tree, axes):
+    if hasattr(lax, "pcast"):  # jax >= 0.9
+        return lax.pcast(tree, axes, to="varying")
+    return lax.pvary(tree, axes)
+
+
+@pytest.mark.parametrize("cast", [(), ("x",), ("y",), ("x", "y")])
+def test_a_tuple_axis_name_checks_each_of_its_axes(cast):
+    """`axis_name=("x", "y")`: gradients that `jax.grad` summed along either
+    axis (no pcast there) are refused, naming the axes; they were taken,
+    and the update was a sum over devices (2x, 4x or 8x sgd's step). Cast along
+    both: sgd on the whole batch's gradient."""
+    params, xs, ys = _problem(1)
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), 1, axis_name=("x", "y"))
+    specs = opt.state_specs()
+    rows = P(("x", "y"))
+    with jax.set_mesh(mesh):
+        replicated = jax.device_put(params, NamedSharding(mesh, P()))
+        init = jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs)
+        state = jax.jit(init)(replicated)
+
+        @jax.jit
+        @jax.shard_map(mesh=mesh, in_specs=(P(), specs, rows, rows), out_specs=P())
+        def step(params, state, x, y):
+            own = _varying_along(params, cast) if cast else params
+            return opt.update(jax.grad(_loss)(own, x, y), state, params)[0]
+
+        batch = NamedSharding(mesh, rows)
+        x, y = jax.device_put(xs[0], batch), jax.device_put(ys[0], batch)
+        summed = {(): "('x', 'y')", ("x",): "'y'", ("y",): "'x'"}
+        if cast in summed:
+            with pytest.raises(
+                ValueError,
+                match=rf"same on every device along {re.escape(summed[cast])}",
+            ):
+                step(replicated, state, x, y)
+            return
+        updates = step(replicated, state, x, y)
+    want = jax.grad(_loss)(params, xs[0], ys[0])
+    _assert_close(updates, jax.tree.map(jnp.negative, want))
+
+
+@pytest.mark.parametrize("form", ["update", "apply_gradients"])
+def test_python_number_and_integer_leaves_with_axis_name(form):
+    """A Python float leaf (`eqx.nn.Dropout`'s `p`) and an integer one get
+    a `None` gradient, which `MultiSteps` fills with zeros: the same on
+    every device, so the check for gradients already summed over the
+    devices refused them. Reference: plain adam on the arrays' windows of
+    the whole batch; the integer leaf and the float stay as they were."""
+    params, xs, ys = _problem(2 * K)
+    mesh = _data_mesh()
+    opt = optax_ext.MultiSteps(optax.adam(1e-2), K, axis_name="data")
+    specs = opt.state_specs()
+    with jax.set_mesh(mesh):
+        arrays = jax.device_put(
+            dict(params, count=jnp.int32(3)), NamedSharding(mesh, P())
+        )
+        init = jax.shard_map(
+            lambda a: opt.init(dict(a, scale=0.5)),
+            mesh=mesh,
+            in_specs=P(),
+            out_specs=specs,
+        )
+        state = jax.jit(init)(arrays)
+
+        @jax.jit
+        @jax.shard_map(
+            mesh=mesh,
+            in_specs=(P(), specs, P("data"), P("data")),
+            out_specs=(P(), specs),
+        )
+        def step(arrays, state, x, y):
+            full = dict(arrays, scale=0.5)
+            floats = {name: arrays[name] for name in params}
+            grads = dict(_local_grads(floats, x, y), count=None, scale=None)
+            if form == "apply_gradients":
+                new, state = optax_ext.apply_gradients(opt, grads, state, full)
+            else:
+                updates, state = opt.update(grads, state, full)
+                assert updates["count"] is None and updates["scale"] is None
+                new = {
+                    name: p if updates[name] is None else p + updates[name]
+                    for name, p in full.items()
+                }
+            assert new["scale"] == 0.5
+            return {name: new[name] for name in arrays}, state
+
+        batch = NamedSharding(mesh, P("data"))
+        for x, y in zip(xs, ys, strict=True):
+            arrays, state = step(
+                arrays, state, jax.device_put(x, batch), jax.device_put(y, batch)
+            )
+    assert int(arrays.pop("count")) == 3
+    _assert_close(arrays, _reference(optax.adam(1e-2), params, xs, ys))
+
+
 @pytest.mark.parametrize("form", ["update", "apply_gradients"])
 def test_device_gradients_without_axis_name_are_rejected(form):
     """The data-parallel recipe with `axis_name` left out: each device's own

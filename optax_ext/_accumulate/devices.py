@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import PyTree
 
+from .._leaves import is_none
 from .._sharding import varying_axes, varying_call
 from .arithmetic import work_dtype
 
@@ -19,16 +20,21 @@ from .arithmetic import work_dtype
 def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple[str, Any, Any]]:
     """For each gradient leaf: where it is, and the mesh axes it and its
     accumulator vary over inside `jax.shard_map`; nothing where the types do
-    not say (outside `shard_map`'s type checks)."""
-    for (path, g), a in zip(
-        jax.tree_util.tree_flatten_with_path(grads)[0],
-        jax.tree.leaves(acc),
-        strict=True,
-    ):
+    not say (outside `shard_map`'s type checks). A `None` gradient (a
+    Python number or integer leaf, which `MultiSteps` fills with zeros) is
+    not the caller's and is passed over."""
+    given: list[tuple[str, Any, Any]] = []
+
+    def visit(path: Any, g: Any, a: Any) -> None:
+        if g is not None:
+            given.append((jax.tree_util.keystr(path) or "the root", g, a))
+
+    jax.tree_util.tree_map_with_path(visit, grads, acc, is_leaf=is_none)
+    for where, g, a in given:
         g_axes, a_axes = varying_axes(g), varying_axes(a)
         if g_axes is None or a_axes is None:
             return
-        yield jax.tree_util.keystr(path) or "the root", g_axes, a_axes
+        yield where, g_axes, a_axes
 
 
 class SingleDeviceState:
@@ -133,16 +139,19 @@ class PerDeviceState(SingleDeviceState):
         respect to replicated params has then already summed them over the
         devices, and averaging them again would be silently wrong."""
         name = self.axis_name
+        names = name if isinstance(name, tuple) else (name,)
         for where, g_axes, a_axes in _varying_axes_of(grads, acc):
-            if name in a_axes and name not in g_axes:
+            same = tuple(n for n in names if n in a_axes and n not in g_axes)
+            if same:
+                along = same[0] if len(same) == 1 else same
                 raise ValueError(
                     f"MultiSteps(axis_name={name!r}) accumulates each device's "
                     "own gradients and averages them once per window, but the "
                     f"gradients at {where} "
-                    f"are the same on every device along {name!r}: under "
+                    f"are the same on every device along {along!r}: under "
                     "`jax.shard_map`, `jax.grad` with respect to replicated "
                     "params sums the gradients over the devices already. Take "
-                    f"the gradient with respect to `{varying_call(name)}` to "
+                    f"the gradient with respect to `{varying_call(along)}` to "
                     "get this device's gradients."
                 )
 
