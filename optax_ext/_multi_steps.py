@@ -13,6 +13,7 @@ at optax's or below is in `docs/design.md`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable
 from typing import Any, cast
 
@@ -406,7 +407,10 @@ class MultiSteps(Configured):
         it finds (`acc + (g - acc) / 1`, or `acc + g` summing), so without
         this it would not give optax_ext's numbers. Mid-window both hold
         the same. A state of optax's goes on in optax_ext as it is.
-        Jittable; the state's type and avals are kept.
+        Jittable; the state's type and avals are kept. A window held open
+        past its length (`apply_gradients(..., emit=False)`) has no optax
+        form, as optax would never close it: refused where the counters are
+        known, not checked under `jit`.
 
         **Example:**
 
@@ -420,6 +424,19 @@ class MultiSteps(Configured):
         ```
         """
         check_scalar_counters(state, "optax_state")
+        counters = (state.mini_step, state.gradient_step)
+        if not any(isinstance(c, jax.core.Tracer) for c in counters):
+            mini, gradient = (int(c) for c in jax.device_get(counters))
+            k = float(self._known_k(gradient))
+            if k >= 1 and mini >= math.ceil(k):
+                raise ValueError(
+                    f"MultiSteps.optax_state: the state's window holds {mini} "
+                    f"mini-steps, not closed at its length {k:g} (held open by "
+                    "`apply_gradients(..., emit=False)`). optax.MultiSteps "
+                    "emits only at mini-step k - 1, so it would never close "
+                    "this window. Close it first: one more step with "
+                    "`emit=True`, or without `emit`."
+                )
         start = jnp.asarray(state.mini_step) == 0
         acc = jax.tree.map(
             lambda a: jnp.where(start, jnp.zeros_like(a), a), state.acc_grads
@@ -454,11 +471,16 @@ class MultiSteps(Configured):
                 "call it outside jax.jit (it got traced counters)."
             )
         mini, gradient = (int(c) for c in jax.device_get(counters))
-        step = jnp.asarray(gradient, jnp.int32)
+        return bool(_window_complete(jnp.asarray(mini), self._known_k(gradient)))
+
+    def _known_k(self, gradient_step: int) -> jax.Array:
+        """The window length at `gradient_step`, on the host, refused where
+        the jitted `update` refuses it (a known value that is not a whole
+        number from 1); a traced one is taken as `update` takes it."""
+        step = jnp.asarray(gradient_step, jnp.int32)
         schedule = self._every_k_schedule
         jax.eval_shape(lambda s: check_k(schedule(s), s), step)
-        k = schedule(step)
-        return bool(_window_complete(jnp.asarray(mini), jnp.asarray(k)))
+        return jnp.asarray(schedule(step))
 
     def has_updated(
         self, state: optax.MultiStepsState | WeightedMultiStepsState

@@ -22,6 +22,7 @@ from ._leaves import accumulated, zeros_where_undifferentiated
 from ._records import check_state_structure
 from ._tree import (
     as_index,
+    caller,
     check_same_shapes,
     check_same_structure,
     describe_value,
@@ -177,6 +178,7 @@ def check_scalar_counters(state: Any, method: str, arrays: bool = False) -> None
     reading one state's window needs (Python ints too, unless `arrays`, as
     `update` needs them)."""
     check_state_fields(state, method)
+    who, state_arg = caller(method)
     for name in ("mini_step", "gradient_step"):
         value = getattr(state, name)
         try:
@@ -192,13 +194,10 @@ def check_scalar_counters(state: Any, method: str, arrays: bool = False) -> None
             what = (
                 "array (as MultiSteps.init builds it)"
                 if arrays
-                else (
-                    f"(one state's counter; for a stack of states, jax.vmap "
-                    f"MultiSteps.{method})"
-                )
+                else (f"(one state's counter; for a stack of states, jax.vmap {who})")
             )
             raise TypeError(
-                f"MultiSteps.{method}'s `state.{name}` must be a scalar integer "
+                f"{who}'s `{state_arg}.{name}` must be a scalar integer "
                 f"{what}, got {describe_value(value)}."
             )
 
@@ -222,8 +221,9 @@ def check_state_fields(state: Any, method: str) -> None:
                 "Pass the whole MultiSteps state (not its inner_opt_state, nor "
                 "another optimizer's state)."
             )
+        who, state_arg = caller(method)
         raise TypeError(
-            f"MultiSteps.{method}'s `state` must be the optax.MultiStepsState "
+            f"{who}'s `{state_arg}` must be the optax.MultiStepsState "
             f"that MultiSteps.init returned, got {describe_value(state)}, which "
             f"has no {', '.join(missing)}. {hint}"
         )

@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from ._accumulate.arithmetic import is_real_scalar, weighted_fold_terms
-from ._tree import describe_value
+from ._tree import caller, describe_value
 
 
 class WeightedMultiStepsState(NamedTuple):
@@ -46,7 +46,7 @@ def check_weight(weight: Any, weighted: bool, method: str) -> Any:
     if not weighted:
         if weight is not NO_WEIGHT:
             raise TypeError(
-                f"MultiSteps.{method} got weight={describe_value(weight)}, but "
+                f"{caller(method)[0]} got weight={describe_value(weight)}, but "
                 "this MultiSteps was built without weighted=True, where every "
                 "mini-step counts the same. Build it with "
                 "`MultiSteps(..., weighted=True)` (and init its state again) "
@@ -55,14 +55,14 @@ def check_weight(weight: Any, weighted: bool, method: str) -> Any:
         return None
     if weight is NO_WEIGHT:
         raise TypeError(
-            f"MultiSteps(weighted=True).{method} needs `weight=`: this "
+            f"{caller(method, True)[0]} needs `weight=`: this "
             "mini-step's weight, a scalar >= 0 (e.g. its number of "
             "non-padding tokens). The window emits the mean of its gradients "
             "weighted by it."
         )
     if not is_real_scalar(weight):
         raise TypeError(
-            f"MultiSteps.{method}'s `weight` must be a real scalar >= 0 (an "
+            f"{caller(method)[0]}'s `weight` must be a real scalar >= 0 (an "
             "int or float, e.g. the mini-step's number of non-padding tokens), "
             f"got {describe_value(weight)}."
         )
@@ -72,7 +72,7 @@ def check_weight(weight: Any, weighted: bool, method: str) -> Any:
         return weight  # traced: not checked (see the docstring)
     if not (known >= 0 and np.isfinite(known)):
         raise ValueError(
-            f"MultiSteps.{method}'s `weight` must be finite and >= 0, got "
+            f"{caller(method)[0]}'s `weight` must be finite and >= 0, got "
             f"{known!r}: it is the mini-step's share of the window (e.g. its "
             "number of non-padding tokens)."
         )
@@ -91,7 +91,7 @@ def check_weight_held(weight: Any, dtype: Any, method: str) -> None:
     tiny, largest = float(jnp.finfo(dtype).tiny), float(jnp.finfo(dtype).max)
     if 0 < known < tiny or known > largest:
         raise ValueError(
-            f"MultiSteps.{method}'s `weight` is {known!r}, which the window's "
+            f"{caller(method)[0]}'s `weight` is {known!r}, which the window's "
             f"weights (summed in {np.dtype(dtype)}, as state.acc_weight) "
             f"do not hold: {np.dtype(dtype)} keeps {tiny:.3g} to "
             f"{largest:.3g}, and XLA flushes a smaller one to 0. "
@@ -118,16 +118,18 @@ def check_state_kind(state: Any, weighted: bool, method: str) -> None:
     """Raises where the state is of the other kind (weighted or not) than
     this `MultiSteps`, or its `acc_weight` is not a float scalar."""
     has = isinstance(state, WeightedMultiStepsState) or hasattr(state, "acc_weight")
+    who, state_arg = caller(method, weighted=True)
     if weighted and not has:
         raise TypeError(
-            f"MultiSteps(weighted=True).{method}'s `state` has no acc_weight: "
+            f"{who}'s `{state_arg}` has no acc_weight: "
             f"got {type(state).__name__}, not the WeightedMultiStepsState that "
             "its init returns. Build the state with this MultiSteps' init."
         )
     if not weighted and isinstance(state, WeightedMultiStepsState):
         raise TypeError(
-            f"MultiSteps.{method} was built without weighted=True but got a "
-            "WeightedMultiStepsState (from MultiSteps(..., weighted=True).init); "
+            f"{caller(method)[0]} got a WeightedMultiStepsState (from "
+            "MultiSteps(..., weighted=True).init) for a MultiSteps built "
+            "without weighted=True; "
             "build both with the same `weighted`."
         )
     if weighted:
@@ -139,7 +141,7 @@ def check_state_kind(state: Any, weighted: bool, method: str) -> None:
             or jnp.shape(value) not in ((), (1,))
         ):
             raise TypeError(
-                f"MultiSteps.{method}'s `state.acc_weight` must be a float "
+                f"{who}'s `{state_arg}.acc_weight` must be a float "
                 "scalar (as init builds it), got "
                 f"{describe_value(value)}."
             )

@@ -283,6 +283,33 @@ def test_with_skips_the_loop_asks_emits_next_and_equals_the_fused_step():
     assert not np.allclose(counted["w"], want["w"])
 
 
+def test_a_window_held_open_past_k_has_no_optax_state():
+    """`optax_state` of a window that `emit=False` held open past K gave
+    optax a `mini_step` of 6 with K = 4: optax emits only at K - 1, so it
+    never closed the window and dropped its gradients, with no error. It is
+    refused; once that window closes, optax's next window, from the
+    converted state, equals optax_ext's (plain optax on the window's mean)."""
+    opt = optax_ext.MultiSteps(optax.adamw(1e-2), K)
+    params, state = PARAMS, opt.init(PARAMS)
+    for t in range(K + 2):
+        params, state = _step(opt, params, state, _grads(t), False)
+        if t < K - 1:
+            opt.optax_state(state)
+    with pytest.raises(
+        ValueError, match=r"holds 6 mini-steps, not closed at its length 4"
+    ):
+        opt.optax_state(state)
+    params, state = _step(opt, params, state, _grads(K + 2), True)
+    theirs = optax.MultiSteps(optax.adamw(1e-2), K)
+    moved = opt.optax_state(state)
+    window = [_grads(t) for t in range(10, 10 + K)]
+    for g in window:
+        updates, moved = jax.jit(theirs.update)(g, moved, params)
+        optax_params = optax.apply_updates(params, updates)
+    want, _ = _reference_step(params, state.inner_opt_state, _mean64(window))
+    _close(optax_params, want, tol=2e-6)
+
+
 def test_emits_next_refuses_what_the_jitted_update_refuses():
     """`emits_next` reads the schedule as the jitted `update` does: a window
     length known while tracing must be a whole number from 1 (0 and 2.5 are

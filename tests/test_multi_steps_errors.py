@@ -294,7 +294,7 @@ def test_state_with_non_integer_counters_is_refused():
 
 def test_wrong_state_in_apply_gradients_names_it():
     opt = optax_ext.MultiSteps(optax.sgd(1.0), 2)
-    with pytest.raises(TypeError, match=r"MultiSteps.apply_gradients's `state`"):
+    with pytest.raises(TypeError, match=r"optax_ext\.apply_gradients's `opt_state`"):
         optax_ext.apply_gradients(opt, jnp.ones(2), None, jnp.zeros(2))
 
 

@@ -359,8 +359,16 @@ def test_state_of_the_other_kind_is_refused():
     weighted, plain = _opt(True), _opt(False)
     with pytest.raises(TypeError, match="has no acc_weight"):
         weighted.update(params, plain.init(params), params, weight=1)
-    with pytest.raises(TypeError, match="without weighted=True but got a Weighted"):
+    with pytest.raises(TypeError, match="got a Weighted.*built without weighted=True"):
         plain.update(params, weighted.init(params), params)
+    # The fused step names the function called and its argument.
+    with pytest.raises(
+        TypeError,
+        match=r"optax_ext\.apply_gradients's `opt_state` has no acc_weight",
+    ):
+        optax_ext.apply_gradients(
+            weighted, params, plain.init(params), params, weight=1
+        )
 
 
 def test_weighted_sum_is_refused():
