@@ -100,6 +100,16 @@ def check_same_structure(
                 f"{got_name} have {_describe(got_paths[extra])} at {extra}, a path "
                 f"{expected_name} do not have"
             )
+        elif str(got_def) == str(exp_def):
+            problem = (
+                f"their containers print alike ({got_def}) but compare "
+                "unequal: they differ in what a container holds beside its "
+                "children and does not print (an Equinox module's static "
+                "fields, say, which a pickle round trip can make unequal). "
+                "Restore a checkpoint into the state this process builds "
+                "(its init, or `jax.eval_shape` of it), so the containers "
+                "come from here"
+            )
         else:
             problem = (
                 f"the containers differ: {got_name} are {got_def}, "

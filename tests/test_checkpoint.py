@@ -289,3 +289,32 @@ def test_optax_bf16_checkpoint_holds_rounded_hyperparameters(tmp_path):
     b2 = restored["opt_state"].hyperparams["b2"]
     assert b2.dtype == jnp.float32 and float(b2) == 1.0
     assert float(ours.init(params).hyperparams["b2"]) == np.float32(0.999)
+
+
+class _Marker:
+    """Compares by identity and prints alike: what a pickle round trip makes
+    of an Equinox module's `MISSING` marker for an unset static default."""
+
+    def __repr__(self):
+        return "marker"
+
+
+class _Tagged(eqx.Module):
+    w: jax.Array
+    tag: _Marker = eqx.field(static=True)
+
+    def __init__(self):
+        self.w, self.tag = jnp.ones(2), _Marker()
+
+
+def test_containers_that_print_alike_but_differ_are_explained():
+    """Containers that compare unequal but print alike (a state pickled
+    without a target: an Equinox module's static marker comes back as
+    another object). The error printed the same `PyTreeDef` twice; it now
+    says what differs and how to restore."""
+    opt = optax_ext.MultiSteps(optax.sgd(0.1), 2)
+    params, state = _Tagged(), opt.init(_Tagged())
+    assert jax.tree.structure(state.acc_grads) != jax.tree.structure(params)
+    assert str(jax.tree.structure(state.acc_grads)) == str(jax.tree.structure(params))
+    with pytest.raises(ValueError, match=r"print alike .* but compare unequal"):
+        opt.update(params, state, params)
