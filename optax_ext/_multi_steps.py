@@ -474,13 +474,13 @@ class MultiSteps(Configured):
         return bool(_window_complete(jnp.asarray(mini), self._known_k(gradient)))
 
     def _known_k(self, gradient_step: int) -> jax.Array:
-        """The window length at `gradient_step`, on the host, refused where
-        the jitted `update` refuses it (a known value that is not a whole
-        number from 1); a traced one is taken as `update` takes it."""
+        """The window length at `gradient_step`, on the host. A Python or
+        NumPy number is refused where `update` refuses it (not a whole
+        number from 1); a JAX array, traced in the jitted `update`, is taken
+        as `update` takes it there."""
         step = jnp.asarray(gradient_step, jnp.int32)
-        schedule = self._every_k_schedule
-        jax.eval_shape(lambda s: check_k(schedule(s), s), step)
-        return jnp.asarray(schedule(step))
+        k = self._every_k_schedule(step)
+        return k if isinstance(k, jax.Array) else check_k(k, step)
 
     def has_updated(
         self, state: optax.MultiStepsState | WeightedMultiStepsState

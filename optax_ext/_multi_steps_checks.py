@@ -69,7 +69,7 @@ def check_step(
     `inner_init` builds (from the params where given: an integer leaf's
     accumulator is float32, its param not), the devices' gradients, the
     window length."""
-    devices.check_bound("update")
+    devices.check_bound(method)
     check_state(state, method)
     extra_args = dict(extra_args)
     weight = check_weight(extra_args.pop("weight", NO_WEIGHT), weighted, method)
@@ -92,8 +92,8 @@ def check_step(
         acc if params is None else params,
         inner_structures,
         is_params=params is not None,
-        who="MultiSteps.update",
-        state_name="state.inner_opt_state",
+        who=caller(method)[0],
+        state_name=f"{caller(method)[1]}.inner_opt_state",
         owner="MultiSteps",
     )
     devices.check_gradients(given, acc)

@@ -93,7 +93,7 @@ class _SkipWhen(Configured):
         """`update` and applying it to `params`, fused: a skipped step
         returns `params` as they came in (see `optax_ext.apply_gradients`)."""
         skip = self._skip(extra_args)
-        check_updates_fit_params(grads, params, "optax_ext.apply_gradients")
+        check_updates_fit_params(grads, params, "optax_ext.apply_gradients", "grads")
         record = self._check_state(
             state,
             inner_params(params),

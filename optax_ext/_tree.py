@@ -202,7 +202,9 @@ def as_weak(x: jax.Array) -> jax.Array:
     return cast_like(x, jnp.asarray(python_zero))
 
 
-def check_updates_fit_params(updates: PyTree, params: PyTree, who: str) -> None:
+def check_updates_fit_params(
+    updates: PyTree, params: PyTree, who: str, name: str = "updates"
+) -> None:
     """Raises a `ValueError` naming the first path where `updates` do not have
     the tree of `optimised(params)` (a `None` update may stand for any param
     leaf, as `eqx.filter_grad` gives); nothing to check without params."""
@@ -224,7 +226,7 @@ def check_updates_fit_params(updates: PyTree, params: PyTree, who: str) -> None:
                 flat(kept),
                 flat(updates),
                 expected_name="the params",
-                got_name="the updates",
+                got_name=f"the {name}",
                 hint="Pass updates (gradients) with the structure of the params "
                 "passed with them; a None update may stand for any param leaf, "
                 "as `eqx.filter_grad` gives None for leaves it does not "
@@ -240,7 +242,7 @@ def check_updates_fit_params(updates: PyTree, params: PyTree, who: str) -> None:
         if p is _NO_UPDATE or u is _NO_UPDATE or jnp.shape(u) == jnp.shape(p):
             continue
         raise ValueError(
-            f"{who}: at {jax.tree_util.keystr(path) or 'the root'} the updates "
+            f"{who}: at {jax.tree_util.keystr(path) or 'the root'} the {name} "
             f"have shape {jnp.shape(u)} but the params have shape "
             f"{jnp.shape(p)}. Pass updates (gradients) with the shapes of the "
             "params passed with them."

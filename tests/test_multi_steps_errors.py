@@ -293,9 +293,26 @@ def test_state_with_non_integer_counters_is_refused():
 
 
 def test_wrong_state_in_apply_gradients_names_it():
+    """The fused step's errors name the function called and its argument
+    (they named `MultiSteps.update`'s or `MultiSteps.apply_gradients`'s
+    `state`, neither of which the caller wrote)."""
     opt = optax_ext.MultiSteps(optax.sgd(1.0), 2)
     with pytest.raises(TypeError, match=r"optax_ext\.apply_gradients's `opt_state`"):
         optax_ext.apply_gradients(opt, jnp.ones(2), None, jnp.zeros(2))
+    adam = optax_ext.MultiSteps(optax.adam(1.0), 2)
+    state = adam.init(jnp.zeros(2))._replace(inner_opt_state=opt.init(jnp.zeros(2)))
+    with pytest.raises(
+        TypeError, match=r"optax_ext\.apply_gradients's `opt_state\.inner_opt_state`"
+    ):
+        optax_ext.apply_gradients(adam, jnp.ones(2), state, jnp.zeros(2))
+    per_device = optax_ext.MultiSteps(optax.sgd(1.0), 2, axis_name="d")
+    with pytest.raises(
+        NameError,
+        match=r"optax_ext\.apply_gradients with MultiSteps\(axis_name='d'\) must run",
+    ):
+        optax_ext.apply_gradients(
+            per_device, jnp.ones(2), opt.init(jnp.zeros(2)), jnp.zeros(2)
+        )
 
 
 def test_optax_state_still_loads():

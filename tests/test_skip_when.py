@@ -437,7 +437,7 @@ P3 = {"w": jnp.ones(3)}
                 sw, P3, sw.init(P3), {"w": jnp.ones(4)}
             ),
             ValueError,
-            r"apply_gradients: at \['w'\] the updates have shape \(3,\) but the "
+            r"apply_gradients: at \['w'\] the grads have shape \(3,\) but the "
             r"params have shape \(4,\)",
         ),
         (

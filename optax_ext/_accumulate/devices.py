@@ -103,8 +103,14 @@ class PerDeviceState(SingleDeviceState):
         try:
             lax.axis_size(self.axis_name)
         except NameError as e:
+            built = f"MultiSteps(axis_name={self.axis_name!r})"
+            who = (
+                f"optax_ext.apply_gradients with {built}"
+                if method == "apply_gradients"
+                else f"{built}.{method}"
+            )
             raise NameError(
-                f"MultiSteps(axis_name={self.axis_name!r}).{method} must run "
+                f"{who} must run "
                 f"where the mesh axis {self.axis_name!r} is bound, inside "
                 "`jax.shard_map` (or `jax.vmap`/`jax.pmap` with that axis_name), "
                 "with the state's `acc_grads` and `skip_state` split over it: "
