@@ -243,9 +243,15 @@ def _in_shard_map(
     # What the traced function learns about its output, for outside it.
     out_static, out_def, per_example = [], [], []
 
-    def local(dyn_args, dyn_kwargs):
+    # A traced count enters as an operand: `shard_map` cannot close over a
+    # value typed with `Explicit` axes.
+    count = settings.num_real_microbatches
+    traced_count = isinstance(count, jax.Array)
+
+    def local(dyn_args, dyn_kwargs, count):
         args, kwargs = eqx.combine((dyn_args, dyn_kwargs), static)
-        out, rows_flags = _run(settings, spec, tuple(args), kwargs)
+        here = settings._replace(num_real_microbatches=count)
+        out, rows_flags = _run(here, spec, tuple(args), kwargs)
         per_example.extend(rows_flags)
         dyn_out, static_out = eqx.partition(out, is_combined)
         out_static.append(static_out)
@@ -255,13 +261,25 @@ def _in_shard_map(
         rows = [x for x, c in zip(leaves, rows_flags, strict=True) if c]
         return reduced, rows
 
-    reduced, rows = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=(P(), P(spec)),
-        axis_names=set(axes),
-    )(tuple(dyn_args), dyn_kwargs)
+    try:
+        reduced, rows = jax.shard_map(
+            lambda a, k, c: local(a, k, c if traced_count else count),
+            mesh=mesh,
+            in_specs=(*in_specs, P()),
+            out_specs=(P(), P(spec)),
+            axis_names=set(axes),
+        )(tuple(dyn_args), dyn_kwargs, count if traced_count else 0)
+    except NotImplementedError as error:
+        if "Closing over inputs to shard_map" not in str(error):
+            raise
+        raise ValueError(
+            "microbatched runs grad_fn (and weight_fn) in a jax.shard_map over "
+            f"the batch's Explicit mesh axes {axes}, which cannot close over "
+            "a traced value of the surrounding jit. Pass such values as "
+            "arguments of grad_fn (given to the microbatched call, which "
+            "hands them on unchanged), not from the enclosing function. "
+            f"({str(error).splitlines()[0]})"
+        ) from None
     reduced_it, rows_it = iter(reduced), iter(rows)
     leaves = [next(rows_it) if c else next(reduced_it) for c in per_example]
     return eqx.combine(jax.tree.unflatten(out_def[0], leaves), out_static[0])

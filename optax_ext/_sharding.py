@@ -69,13 +69,15 @@ def _mirror_leaf(leaf: Any, param: Any) -> Any:
         return leaf
     if leaf.shape != param.shape or not jnp.issubdtype(leaf.dtype, jnp.number):
         return leaf  # factored moments, counts, bools and keys keep theirs
+    if not isinstance(param, Tracer) and not isinstance(leaf, Tracer):
+        if leaf.sharding == param.sharding:
+            return leaf
+        return jax.device_put(leaf, param.sharding)
     typed = typed_sharding(param)
     if typed is not None:
         return jax.sharding.reshard(leaf, typed)
     if not isinstance(param, Tracer):
-        if isinstance(leaf, Tracer) or leaf.sharding == param.sharding:
-            return leaf
-        return jax.device_put(leaf, param.sharding)
+        return leaf
     if jax.device_count() == 1:
         return leaf
     return cast_like(lax.add(leaf, _exact_zero_like(param, leaf.dtype)), leaf)

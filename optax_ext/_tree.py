@@ -234,19 +234,6 @@ def check_updates_fit_params(
             )
         except ValueError as error:
             raise ValueError(f"{who}: {error}") from None
-    for (path, p), u in zip(
-        jax.tree_util.tree_flatten_with_path(flat(kept))[0],
-        jax.tree.leaves(flat(updates)),
-        strict=True,
-    ):
-        if p is _NO_UPDATE or u is _NO_UPDATE or jnp.shape(u) == jnp.shape(p):
-            continue
-        raise ValueError(
-            f"{who}: at {jax.tree_util.keystr(path) or 'the root'} the {name} "
-            f"have shape {jnp.shape(u)} but the params have shape "
-            f"{jnp.shape(p)}. Pass updates (gradients) with the shapes of the "
-            "params passed with them."
-        )
 
 
 def caller(method: str, weighted: bool = False) -> tuple[str, str]:

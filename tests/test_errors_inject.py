@@ -316,20 +316,6 @@ def test_updates_that_do_not_fit_the_params():
         opt.update({"w": jnp.ones(3)}, opt.init(params), params)
 
 
-def test_updates_whose_shapes_do_not_fit_the_params():
-    """sgd's updates took the gradient's shape: a (3, 1) gradient for a (3,)
-    param came back (3, 1), and `optax.apply_updates` broadcast the params
-    to (3, 3)."""
-    params = {"w": jnp.ones(3)}
-    opt = optax_ext.inject_hyperparams(optax.sgd)(learning_rate=0.1)
-    with pytest.raises(
-        ValueError,
-        match=r"inject_hyperparams\(sgd\)\.update: at \['w'\] the updates have "
-        r"shape \(3, 1\) but the params have shape \(3,\)",
-    ):
-        opt.update({"w": jnp.ones((3, 1))}, opt.init(params), params)
-
-
 def test_integer_given_where_the_default_is_a_float_is_a_float():
     """`weight_decay=0` (adamw's default is 1e-4) is stored as float32, so a
     float written there later is taken, as optax takes it. Reference: adamw

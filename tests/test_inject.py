@@ -543,3 +543,24 @@ def test_count_saturates_at_the_int32_maximum(offset):
     _, state = jax.jit(opt.update)(jnp.ones(3), state)
     assert state.count.dtype == jnp.int32
     assert int(state.count) == min(top - offset + 1, top)
+
+
+@pytest.mark.filterwarnings("ignore:.*seed.* is deprecated:DeprecationWarning")
+def test_per_example_gradients_of_dpsgd_with_the_params():
+    """`optax.contrib.dpsgd` takes per-example gradients (a batch axis the
+    params lack) together with the params. Injected, it gives dpsgd's own
+    updates: a leaf-shape check refused them for one commit. Reference:
+    dpsgd unwrapped, jitted alike (no noise, so both are deterministic)."""
+    params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(2)}
+    grads = {
+        "w": jnp.linspace(-1.0, 1.0, 24).reshape(4, 2, 3),
+        "b": jnp.linspace(0.5, 2.0, 8).reshape(4, 2),
+    }
+    kwargs = dict(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=0.0, seed=0)
+    ours = optax_ext.inject_hyperparams(optax.contrib.dpsgd)(**kwargs)
+    theirs = optax.contrib.dpsgd(**kwargs)
+    got, _ = jax.jit(ours.update)(grads, ours.init(params), params)
+    want, _ = jax.jit(theirs.update)(grads, theirs.init(params), params)
+    for name in params:
+        assert got[name].shape == params[name].shape
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6)

@@ -235,3 +235,50 @@ def test_gradient_with_respect_to_the_batch_is_the_whole_batch_s(mode, weighted)
     with jax.enable_x64(True):
         want = floats(grad_fn(_f64(params), _f64((x, y, jnp.asarray(mask)))))
     _assert_close(got, want)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "weight_fn"])
+def test_traced_count_of_real_microbatches_on_an_explicit_batch(weighted):
+    """`num_real_microbatches` traced by the step (the docstring: "a traced
+    one too, with no recompilation") with the batch split over an
+    `Explicit` axis failed inside JAX: the `shard_map` that `microbatched`
+    runs in closed over it. It enters as an operand now. Reference: the
+    float64 gradient of the real micro-batches' rows (row `i` is in
+    micro-batch `i % K`)."""
+    params, batch = _problem()
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    weight_fn = (lambda p, b: jnp.float32(b[0].shape[0])) if weighted else None
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        fn = jax.jit(
+            lambda p, b, n: optax_ext.microbatched(
+                jax.grad(loss), K, num_real_microbatches=n, weight_fn=weight_fn
+            )(p, b)
+        )
+        got = [fn(params, sharded, jnp.int32(n)) for n in (3, 1)]
+        assert fn._cache_size() == 1
+    for n, grads in zip((3, 1), got, strict=True):
+        real = np.arange(N) % K < n
+        with jax.enable_x64(True):
+            want = jax.grad(loss)(_f64(params), _f64((batch[0][real], batch[1][real])))
+        _assert_close(grads, want)
+
+
+def test_grad_fn_closing_over_a_traced_value_is_named():
+    """On an `Explicit` batch, a `grad_fn` that closes over a traced value
+    of the step failed inside JAX's `shard_map`, which the caller never
+    wrote. The error says what to do: pass it as an argument."""
+    params, batch = _problem()
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+        @jax.jit
+        def step(params, batch, scale):
+            grad_fn = jax.grad(lambda p, b: loss(p, b) * scale)
+            return optax_ext.microbatched(grad_fn, K)(params, batch)
+
+        with pytest.raises(
+            ValueError, match=r"Pass such values as arguments of grad_fn"
+        ):
+            step(params, sharded, jnp.float32(2.0))

@@ -818,3 +818,57 @@ def test_params_sharded_over_a_manual_axis(name, form):
         want = optax.apply_updates(want, updates)
     for key in whole:
         np.testing.assert_allclose(np.asarray(params[key]), want[key], rtol=1e-6)
+
+
+def test_eager_init_of_explicit_sharded_params_needs_no_mesh_set():
+    """optax's `init` takes params sharded over `Explicit` axes outside
+    `jax.set_mesh`; `MultiSteps.init` failed there (JAX's `reshard` of its
+    eager zeros asked for a mesh context). The accumulator and moments get
+    the params' shardings, as optax's moments do."""
+    params = _sharded_params(_mesh("Explicit"))
+    state = optax_ext.MultiSteps(optax.adam(1e-3), 4).init(params)
+    theirs = optax.adam(1e-3).init(params)
+    for name, p in params.items():
+        assert state.acc_grads[name].sharding == p.sharding, name
+        mu = state.inner_opt_state[0].mu[name]
+        assert mu.sharding == theirs[0].mu[name].sharding == p.sharding, name
+
+
+def test_params_placed_as_the_step_returns_them_compile_it_once():
+    """docs/data_parallel.md's placement: a `None` per dimension, as the
+    data-parallel step returns the params, compiles the step once; `P()`
+    (which the page once said would do) and single-device params compile
+    it twice (JAX's jit cache tells `P(None, None)` from `P()`)."""
+    params, xs, ys = _problem(3)
+    mesh = _data_mesh()
+    opt = optax_ext.MultiSteps(optax.adam(1e-2), K, axis_name="data")
+    specs = opt.state_specs()
+    per_dim = jax.tree.map(lambda x: NamedSharding(mesh, P(*[None] * x.ndim)), params)
+    placements = {
+        "per dimension": per_dim,
+        "P()": NamedSharding(mesh, P()),
+        "one device": None,  # as made: uncommitted, on the default device
+    }
+    compiles = {}
+    batch = NamedSharding(mesh, P("data"))
+    for name, placement in placements.items():
+        p = params if placement is None else jax.device_put(params, placement)
+        init = jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs)
+        state = jax.jit(init)(p)
+
+        @jax.jit
+        @jax.shard_map(
+            mesh=mesh,
+            in_specs=(P(), specs, P("data"), P("data")),
+            out_specs=(P(), specs),
+        )
+        def step(params, state, x, y):
+            updates, state = opt.update(_local_grads(params, x, y), state, params)
+            return optax.apply_updates(params, updates), state
+
+        for x, y in zip(xs, ys, strict=True):
+            p, state = step(
+                p, state, jax.device_put(x, batch), jax.device_put(y, batch)
+            )
+        compiles[name] = step._cache_size()
+    assert compiles == {"per dimension": 1, "P()": 2, "one device": 2}

@@ -426,20 +426,6 @@ P3 = {"w": jnp.ones(3)}
             r"skip_when\.update: The tree of the updates does not match the "
             r"params: the updates have nothing at \['w'\]",
         ),
-        (  # was blamed on the inner optimizer's state, shape (3, 3)
-            lambda sw: sw.update({"w": jnp.ones((3, 1))}, sw.init(P3), P3),
-            ValueError,
-            r"skip_when\.update: at \['w'\] the updates have shape \(3, 1\) but "
-            r"the params have shape \(3,\)",
-        ),
-        (  # failed in JAX's add, naming no argument
-            lambda sw: optax_ext.apply_gradients(
-                sw, P3, sw.init(P3), {"w": jnp.ones(4)}
-            ),
-            ValueError,
-            r"apply_gradients: at \['w'\] the grads have shape \(3,\) but the "
-            r"params have shape \(4,\)",
-        ),
         (
             lambda sw: sw.update(P3, sw.init(P3), P3, skip="yes"),
             TypeError,
