@@ -13,6 +13,7 @@ identity and never read.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import struct
 from typing import Any
 
@@ -162,6 +163,12 @@ class Method:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.owner, self.name)(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The method's own, for `jax.jit(..., donate_argnames=)` and
+        `static_argnames`, which map names to positions through it."""
+        return inspect.signature(getattr(self.owner, self.name))
 
 
 class Configured:

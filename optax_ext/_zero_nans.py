@@ -72,9 +72,9 @@ def _found_nans(updates, state):
     return jax.tree.map(_found_nan, updates)
 
 
-def _update(updates, state, params=None):
+def _update(updates, opt_state, params=None):
     del params
-    found_nan = _found_nans(updates, state)
+    found_nan = _found_nans(updates, opt_state)
     return jax.tree.map(_zero_nan, updates), optax.ZeroNansState(found_nan)
 
 

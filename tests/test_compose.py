@@ -3,6 +3,8 @@ other, with Flax's TrainState and with Equinox. References are computed by
 hand (sgd with learning rate 1 emits minus the window mean) or with plain
 optax on the averaged gradients."""
 
+import inspect
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -331,3 +333,39 @@ def test_models_with_integer_buffers_and_keys():
     np.testing.assert_array_equal(model.idx, [2, 0, 1])
     found = state.inner_opt_state[0].found_nan
     assert found.idx is None and found.key is None and bool(found.w)
+
+
+def _signature_pairs():
+    return {
+        "zero_nans": (optax_ext.zero_nans(), optax.zero_nans()),
+        "inject_hyperparams": (
+            optax_ext.inject_hyperparams(optax.adam)(learning_rate=0.1),
+            optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+        ),
+        "MultiSteps": (
+            optax_ext.MultiSteps(optax.adam(0.1), 2).gradient_transformation(),
+            optax.MultiSteps(optax.adam(0.1), 2).gradient_transformation(),
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["zero_nans", "inject_hyperparams", "MultiSteps"])
+def test_update_takes_optax_s_argument_names_and_donates_by_name(name):
+    """`update`'s arguments have optax's names (zero_nans' state argument
+    is `opt_state` there), and `jax.jit(update, donate_argnames=...)`
+    donates the state: the wrapped methods took `*args`, so JAX could not
+    map the name and silently donated nothing."""
+    ours, theirs = _signature_pairs()[name]
+    names = list(inspect.signature(theirs.update).parameters)
+    assert list(inspect.signature(ours.update).parameters) == names
+    params = {"w": jnp.ones(8)}
+    deleted = []
+    for opt in (ours, theirs):
+        state = opt.init(params)
+        jax.jit(opt.update, donate_argnames=names[1])(params, state, params)
+        deleted.append([x.is_deleted() for x in jax.tree.leaves(state)])
+    assert deleted[0] == deleted[1]
+    if name != "zero_nans":  # whose scalar bools XLA:CPU does not alias
+        assert all(deleted[0])
+    # And by keyword, as optax's own update is called.
+    ours.update(params, **{names[1]: ours.init(params)}, params=params)
