@@ -337,6 +337,10 @@ class Injection(Configured):
     def _check_masks(self, params: Any) -> None:
         """A mask argument must fit the params (optax.masked would fail deep
         inside the factory's init, naming neither the mask nor the params)."""
+        if not jax.tree.leaves(params):
+            # Nothing to mask; `optax.tree_utils.tree_map_params` calls
+            # `init` on a tree with no leaves, which `optax.masked` accepts.
+            return
         for name, mask in self.passed.items():
             if not is_mask_name(name) or mask is None:
                 continue

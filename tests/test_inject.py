@@ -564,3 +564,36 @@ def test_per_example_gradients_of_dpsgd_with_the_params():
     for name in params:
         assert got[name].shape == params[name].shape
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6)
+
+
+def test_tree_map_params_maps_a_masked_injected_state_as_optax_does():
+    """`optax.tree_utils.tree_map_params` (optax's way to give a state the
+    params' shardings) calls `init` on a placeholder with no leaves, which
+    `optax.masked` lets through; with a mask tree the mask check refused
+    it. Reference: the same map over optax's own `inject_hyperparams`."""
+    params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+    mapped = []
+    for lib in (optax_ext, optax):
+        inject = lib.inject_hyperparams(optax.adamw, static_args="mask")
+        opt = lib.MultiSteps(
+            optax.chain(
+                lib.zero_nans(),
+                inject(
+                    learning_rate=1e-3, weight_decay=0.1, mask={"w": True, "b": False}
+                ),
+            ),
+            2,
+        )
+        state = opt.init(params)
+        mapped.append(
+            jax.tree.leaves(
+                optax.tree_utils.tree_map_params(
+                    opt,
+                    lambda p: f"param {p.shape}",
+                    state,
+                    transform_non_params=lambda x: "other",
+                )
+            )
+        )
+    assert mapped[0] == mapped[1]
+    assert mapped[0].count("param (2, 3)") == 3  # mu, nu and acc_grads
