@@ -15,7 +15,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
@@ -27,7 +26,7 @@ from ._microbatched_loop import (
     accumulate,
     is_combined,
 )
-from ._sharding import shards_over, typed_sharding
+from ._sharding import manual_axes, shards_over, typed_sharding
 from ._tree import cast_like
 
 ROWS = ("concat", GRADIENT)
@@ -40,8 +39,7 @@ def _is_manual(axis_name: Hashable) -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     names = tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
     if mesh.axis_names and all(n in mesh.axis_names for n in names):
-        types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-        return all(types[n] == AxisType.Manual for n in names)
+        return manual_axes(names) == names
     try:
         lax.axis_size(axis_name)
     except NameError:
