@@ -326,7 +326,10 @@ class Injection(Configured):
         if key is not None and key in self._traceable_names:  # decided before
             return {n: self.numeric[n] for n in self._traceable_names[key]}
         schedule_states = {n: s.init() for n, s in self.schedules.items()}
-        if not self.numeric or trial(self.numeric):
+        if not self.numeric or trial(self.numeric) or not trial(()):
+            # All pass; or the trace fails with every number known (a
+            # schedule that branches in Python, which runs eagerly only):
+            # then no number is the cause, and none is kept static.
             traceable = dict(self.numeric)
         else:
             traceable = {n: v for n, v in self.numeric.items() if trial([n])}

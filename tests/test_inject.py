@@ -597,3 +597,29 @@ def test_tree_map_params_maps_a_masked_injected_state_as_optax_does():
         )
     assert mapped[0] == mapped[1]
     assert mapped[0].count("param (2, 3)") == 3  # mu, nu and acc_grads
+
+
+def test_schedule_with_a_python_branch_keeps_numbers_injected_in_eager_loops():
+    """A schedule written with a Python branch runs in an eager loop (under
+    `jit` it fails in optax too). Its abstract trial failed with every
+    number known, so every number was kept static: the state lacked `b1`
+    to `weight_decay` and writing `weight_decay` was refused as a number
+    "the factory branches on". Reference: optax's `inject_hyperparams`,
+    eagerly, on the same steps."""
+    params = {"w": jnp.ones(2)}
+
+    def lr(count):
+        return 0.1 if count < 2 else 0.01
+
+    runs = []
+    for lib in (optax_ext, optax):
+        opt = lib.inject_hyperparams(optax.adamw)(learning_rate=lr, weight_decay=1e-2)
+        state, got = opt.init(params), []
+        for t in range(4):
+            if t == 3:
+                state.hyperparams["weight_decay"] = jnp.float32(0.5)
+            updates, state = opt.update({"w": jnp.ones(2)}, state, params)
+            got.append(np.asarray(updates["w"]))
+        runs.append((sorted(state.hyperparams), got))
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_allclose(runs[0][1], runs[1][1], rtol=1e-6)
