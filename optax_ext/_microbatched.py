@@ -278,7 +278,8 @@ def microbatched(
       this device's rows, as on one device; the result is the gradient of
       the mean over all devices' rows;
     - under `jax.jit` with the batch sharded over `Explicit` mesh axes, the
-      axes are read from the batch's type; with `Auto` axes pass
+      axes are read from the batch's type (an `axis_name` given there must
+      name some of them); with `Auto` axes pass
       `axis_name` and call it under `jax.set_mesh`. The loop then runs inside
       a `jax.shard_map` over those axes (other mesh axes stay as they are).
       The other arguments enter it replicated over the data axes: for

@@ -87,6 +87,16 @@ def run_on_devices(
     if axis_name is not None and _is_manual(axis_name):
         return _run(settings, axis_name, args, kwargs)[0]
     spec, mesh = _batch_spec(args, settings.batch_argnums)
+    if spec is not None and axis_name is not None:
+        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+        split = spec if isinstance(spec, tuple) else (spec,)
+        if not set(names) <= set(split):
+            raise ValueError(
+                f"microbatched(axis_name={axis_name!r}): the batch's type says "
+                f"it is split over the mesh axes {split} (Explicit axes), and "
+                "the loop averages over those; axis_name names another. "
+                "Leave axis_name out, or name the batch's axes."
+            )
     if spec is None and axis_name is not None:
         mesh = jax.sharding.get_abstract_mesh()
         names = axis_name if isinstance(axis_name, tuple) else (axis_name,)

@@ -282,3 +282,25 @@ def test_grad_fn_closing_over_a_traced_value_is_named():
             ValueError, match=r"Pass such values as arguments of grad_fn"
         ):
             step(params, sharded, jnp.float32(2.0))
+
+
+def test_axis_name_the_explicit_batch_is_not_split_over_is_refused():
+    """With the batch split over `Explicit` axes, the loop averages over
+    the axes its type names; an `axis_name` naming another (a typo, or the
+    model axis) was ignored without a word. A subset of them is taken."""
+    params, batch = _problem()
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        rows = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        for name in ("nope", "model", ("data", "model")):
+            fn = jax.jit(optax_ext.microbatched(jax.grad(loss), K, axis_name=name))
+            with pytest.raises(
+                ValueError, match=r"split over the mesh axes \('data',\)"
+            ):
+                fn(params, rows)
+        both = jax.device_put(batch, NamedSharding(mesh, P(("data", "model"))))
+        fn = jax.jit(optax_ext.microbatched(jax.grad(loss), K, axis_name="data"))
+        got = fn(params, both)
+    with jax.enable_x64(True):
+        want = jax.grad(loss)(_f64(params), _f64(batch))
+    _assert_close(got, want)
