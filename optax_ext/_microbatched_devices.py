@@ -26,7 +26,7 @@ from ._microbatched_loop import (
     accumulate,
     is_combined,
 )
-from ._sharding import manual_axes, shards_over, typed_sharding
+from ._sharding import axis_names, manual_axes, shards_over, typed_sharding
 from ._tree import cast_like
 
 ROWS = ("concat", GRADIENT)
@@ -37,7 +37,7 @@ def _is_manual(axis_name: Hashable) -> bool:
     """Whether `axis_name` is bound here as a collective axis: inside
     `jax.shard_map` over it (or `vmap`/`pmap` with that name)."""
     mesh = jax.sharding.get_abstract_mesh()
-    names = tuple(axis_name) if isinstance(axis_name, tuple) else (axis_name,)
+    names = axis_names(axis_name)
     if mesh.axis_names and all(n in mesh.axis_names for n in names):
         return manual_axes(names) == names
     try:
@@ -88,9 +88,8 @@ def run_on_devices(
         return _run(settings, axis_name, args, kwargs)[0]
     spec, mesh = _batch_spec(args, settings.batch_argnums)
     if spec is not None and axis_name is not None:
-        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-        split = spec if isinstance(spec, tuple) else (spec,)
-        if not set(names) <= set(split):
+        split = axis_names(spec)
+        if not set(axis_names(axis_name)) <= set(split):
             raise ValueError(
                 f"microbatched(axis_name={axis_name!r}): the batch's type says "
                 f"it is split over the mesh axes {split} (Explicit axes), and "
@@ -99,8 +98,7 @@ def run_on_devices(
             )
     if spec is None and axis_name is not None:
         mesh = jax.sharding.get_abstract_mesh()
-        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-        if not all(n in mesh.axis_names for n in names):
+        if not all(n in mesh.axis_names for n in axis_names(axis_name)):
             raise ValueError(
                 f"microbatched(axis_name={axis_name!r}) needs that axis "
                 "bound: call it inside jax.shard_map over it, or under "
@@ -238,7 +236,7 @@ def _in_shard_map(
     """Runs the loop inside a `jax.shard_map` manual over the batch's axes
     only: the batch enters split over them, everything else replicated;
     per-example outputs leave split over them, the rest replicated."""
-    axes = spec if isinstance(spec, tuple) else (spec,)
+    axes = axis_names(spec)
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     dyn_args, dyn_kwargs = dynamic
     in_specs = (

@@ -28,6 +28,7 @@ from ._accumulate.arithmetic import (
     weighted_fold_terms,
 )
 from ._sharding import (
+    axis_names,
     cast_varying,
     manual_axes,
     sharded_type,
@@ -99,8 +100,11 @@ def pcast_varying(tree: PyTree, axis_name: Hashable) -> PyTree:
         if not isinstance(x, jax.Array):
             return x
         axes = varying_axes(x)
-        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-        missing = tuple(n for n in manual_axes(names) if axes is None or n not in axes)
+        missing = tuple(
+            n
+            for n in manual_axes(axis_names(axis_name))
+            if axes is None or n not in axes
+        )
         if axes is None or not missing:
             return x
         return cast_varying(x, missing)

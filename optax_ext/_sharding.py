@@ -117,11 +117,11 @@ def zeros_like_struct(struct: Any, dtype: Any = None) -> jax.Array:
 def shards_over(tree: PyTree, axes: Any) -> bool:
     """Whether a leaf of `tree` is split, in its type, over one of the mesh
     axes `axes` (a name or a tuple of names)."""
-    names = set(axes if isinstance(axes, tuple) else (axes,))
+    names = set(axis_names(axes))
     for x in jax.tree.leaves(tree):
         sharding = typed_sharding(x)
         for entry in () if sharding is None else sharding.spec:
-            entry = entry if isinstance(entry, tuple) else (entry,)
+            entry = axis_names(entry)
             if names.intersection(entry):
                 return True
     return False
@@ -160,6 +160,12 @@ def aval_varying_axes(aval: Any) -> frozenset | None:
     if vma is None:  # jax >= 0.9
         vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
     return None if vma is None else frozenset(vma)
+
+
+def axis_names(axes: Any) -> tuple:
+    """Mesh axis names as a tuple: `axes` is one name or a tuple of them
+    (as `axis_name` arguments and `PartitionSpec` entries are)."""
+    return tuple(axes) if isinstance(axes, tuple) else (axes,)
 
 
 def manual_axes(names: tuple) -> tuple:

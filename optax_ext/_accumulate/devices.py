@@ -13,7 +13,7 @@ from jax import lax
 from jaxtyping import PyTree
 
 from .._leaves import is_none
-from .._sharding import varying_axes, varying_call
+from .._sharding import axis_names, varying_axes, varying_call
 from .arithmetic import work_dtype
 
 
@@ -145,7 +145,7 @@ class PerDeviceState(SingleDeviceState):
         respect to replicated params has then already summed them over the
         devices, and averaging them again would be silently wrong."""
         name = self.axis_name
-        names = name if isinstance(name, tuple) else (name,)
+        names = axis_names(name)
         for where, g_axes, a_axes in _varying_axes_of(grads, acc):
             same = tuple(n for n in names if n in a_axes and n not in g_axes)
             if same:
