@@ -5,6 +5,7 @@ from ._inject import inject_hyperparams as inject_hyperparams
 from ._microbatched import microbatched as microbatched
 from ._multi_steps import MultiSteps as MultiSteps
 from ._multi_steps import WeightedMultiStepsState as WeightedMultiStepsState
+from ._nnx import nnx_apply_gradients as nnx_apply_gradients
 from ._skip_when import skip_when as skip_when
 from ._stop_gradient import stop_gradient_where as stop_gradient_where
 from ._zero_nans import zero_nans as zero_nans
@@ -17,6 +18,7 @@ __all__ = [
     "apply_gradients",
     "inject_hyperparams",
     "microbatched",
+    "nnx_apply_gradients",
     "skip_when",
     "stop_gradient_where",
     "zero_nans",

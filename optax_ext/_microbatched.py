@@ -23,6 +23,7 @@ from ._accumulate.arithmetic import check_accumulator_dtype
 from ._leaves import is_typed_key
 from ._microbatched_devices import run_on_devices
 from ._microbatched_loop import LoopSettings, is_gradient_mark
+from ._nnx_graph import merging, split_graph_nodes
 from ._tree import as_index, describe_value
 
 
@@ -383,7 +384,8 @@ def microbatched(
 
     def wrapped(*args: Any, **kwargs: Any) -> PyTree:
         _check_call(settings, args)
-        return run_on_devices(settings, axis_name, args, kwargs)
+        run, args, kwargs = _split_modules(settings, args, kwargs)
+        return run_on_devices(run, axis_name, args, kwargs)
 
     # Name and docstring only: `functools.wraps` would also set `__wrapped__`,
     # which `eqx.filter_jit` takes for a JAX transform stored on a module.
@@ -417,3 +419,24 @@ def _check_call(settings: LoopSettings, args: tuple) -> None:
             f"{type(key).__name__} of shape {jnp.shape(key)} and dtype "
             f"{getattr(key, 'dtype', None)}."
         )
+
+
+def _split_modules(
+    settings: LoopSettings, args: tuple, kwargs: dict
+) -> tuple[LoopSettings, tuple, dict]:
+    """Flax NNX modules among the arguments (not the batch or key) split
+    into pytrees for the loop, and `grad_fn` and `weight_fn` made to merge
+    them back (`_nnx_graph`); the call as it is where there are none."""
+    keep = set(settings.batch_argnums) | {settings.key_argnum}
+    args, kwargs, found = split_graph_nodes(args, kwargs, keep)
+    if not found:
+        return settings, args, kwargs
+    weight_fn = settings.weight_fn
+    return (
+        settings._replace(
+            grad_fn=merging(settings.grad_fn),
+            weight_fn=None if weight_fn is None else merging(weight_fn),
+        ),
+        args,
+        kwargs,
+    )

@@ -1,0 +1,119 @@
+"""`nnx_apply_gradients`: `apply_gradients` for a Flax NNX training loop,
+on an `nnx.Optimizer` and its model in place, as `nnx.Optimizer.update`
+does. Flax is never imported here (it is no dependency of the package): an
+`nnx.Optimizer` exists only once `flax.nnx` is.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ._apply import apply_gradients
+from ._transformations import owner
+
+_NAME = "optax_ext.nnx_apply_gradients"
+
+
+def _check_arguments(nnx: Any, optimizer: Any, model: Any, emit: Any) -> None:
+    """Raises for an `optimizer` that is no `nnx.Optimizer`, a `model`
+    that is no NNX graph node, or `emit` with an optimizer that is no
+    `optax_ext.MultiSteps`."""
+    if nnx is None or not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            f"{_NAME}: optimizer must be a flax `nnx.Optimizer` (built with "
+            "`nnx.Optimizer(model, tx, wrt=nnx.Param)`), got "
+            f"{type(optimizer).__name__}: {optimizer!r:.200}."
+        )
+    if not nnx.graph.is_graph_node(model):
+        raise TypeError(
+            f"{_NAME}: model must be the NNX module the optimizer was built "
+            f"for (an `nnx.Module`), got {type(model).__name__}: {model!r:.200}."
+        )
+    if emit is not None and not getattr(owner(optimizer.tx), "takes_emit", False):
+        raise TypeError(
+            f"{_NAME}: emit={emit!r} chooses where an optax_ext.MultiSteps "
+            "window ends, so optimizer.tx must be an optax_ext.MultiSteps (or "
+            f"its gradient_transformation()), got {optimizer.tx!r:.200}. "
+            "Leave emit out for any other optimizer."
+        )
+
+
+def nnx_apply_gradients(
+    optimizer: Any,
+    model: Any,
+    grads: Any,
+    /,
+    *,
+    emit: bool | None = None,
+    **extra_args: Any,
+) -> None:
+    """`nnx.Optimizer.update(model, grads)` through
+    `optax_ext.apply_gradients`: one optimizer step, its update applied to
+    `model` in the same call, fused for `MultiSteps`.
+
+    It does what `nnx.Optimizer.update` does, in the same order: it reads
+    the params (`nnx.state(model, optimizer.wrt)`) and the gradients the
+    same way, runs `optimizer.tx`, writes the new params into `model` and
+    the new state into `optimizer.opt_state` (with `nnx.update`), and adds 1
+    to `optimizer.step`. Only the middle differs: `apply_gradients(tx,
+    grads, opt_state, params)` where `update` runs `tx.update` then
+    `optax.apply_updates`. So one optimizer can take both calls, and
+    `nnx.state(optimizer)` has the same structure either way: a checkpoint
+    of one loads in the other. Like `update`, it works in place, inside
+    `nnx.jit` or outside.
+
+    **Arguments:**
+
+    - `optimizer`: an `nnx.Optimizer`; its `tx` any optax optimizer, an
+      `optax_ext.MultiSteps` for the fused step.
+    - `model`: the NNX module `optimizer` was built for.
+    - `grads`: its gradients, as `nnx.grad(loss)(model, ...)` (or
+      `optax_ext.microbatched` around it) returns them.
+    - `emit`: for an `optax_ext.MultiSteps` only, a Python bool chosen on
+      the host: `True` ends the window on this step, `False` only
+      accumulates (see `apply_gradients`). Under `nnx.jit`, make it
+      static: `nnx.jit(step, static_argnames="emit")`.
+    - `**extra_args`: passed to `tx.update`, as `update` passes them:
+      `weight=` for `MultiSteps(weighted=True)`, `skip=` for `skip_when`.
+
+    **Returns:**
+
+    None: `model` and `optimizer` are updated in place. (`update` returns
+    the updates; the fused step builds none.)
+
+    **Example:**
+
+    ```python
+    from flax import nnx
+
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    tx = optax_ext.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, x):
+        grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optax_ext.nnx_apply_gradients(optimizer, model, grads)
+
+    train_step(model, optimizer, jnp.ones((8, 4)))
+    ```
+    """
+    nnx = sys.modules.get("flax.nnx")
+    _check_arguments(nnx, optimizer, model, emit)
+    # As `nnx.Optimizer.update` (flax 0.12) reads and writes its state.
+    graph = {"graph": optimizer.graph} if hasattr(optimizer, "graph") else {}
+    params = nnx.as_pure(nnx.state(model, optimizer.wrt, **graph))
+    grad_arrays = nnx.as_pure(nnx.state(grads, optimizer.wrt, **graph))
+    opt_state = nnx.as_pure(optimizer.opt_state)
+    new_params, new_opt_state = apply_gradients(
+        optimizer.tx,
+        grad_arrays,
+        opt_state,
+        params,
+        emit=emit,
+        **nnx.as_pure(extra_args),
+    )
+    nnx.update(model, new_params)
+    nnx.update(optimizer.opt_state, nnx.state(new_opt_state, **graph))
+    optimizer.step[...] += 1
