@@ -70,6 +70,11 @@ def _emit_step(model, optimizer, x, y, emit):
 emit_step = nnx.jit(_emit_step, static_argnames="emit")
 
 
+def _leaves(tree):
+    """A copy of the leaves of `tree` as NumPy arrays."""
+    return [np.array(x) for x in jax.tree.leaves(tree)]
+
+
 def params_of(model):
     """A copy of the model's params (`nnx.state`'s leaves follow it)."""
     return [np.array(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
@@ -101,10 +106,12 @@ def assert_float32_close(got, want, ulps=4):
         np.testing.assert_allclose(a, b, rtol=0, atol=ulps * EPS * scale)
 
 
-def assert_moved(windows, model_seed=0):
-    """Every window changed the params (a reference that did nothing would
-    compare equal to a run that did nothing)."""
-    before = params_of(Model(model_seed))
+def assert_moved(windows, part=None):
+    """Every window changed the params (of `part`, a submodule's name, if
+    given): a reference that did nothing would compare equal to a run that
+    did nothing."""
+    model = Model()
+    before = params_of(model if part is None else getattr(model, part))
     for params in windows:
         assert any(
             not np.array_equal(a, b) for a, b in zip(params, before, strict=True)
@@ -225,6 +232,22 @@ def test_emit_equals_the_fused_step():
             np.testing.assert_array_equal(a, b)
     assert int(opt.step[...]) == int(ref_opt.step[...])
     assert int(opt.opt_state.gradient_step[...]) == WINDOWS
+    # The host decides: emit=True on a window's first step ends it there,
+    # on that step's gradient alone (the fused step would only accumulate).
+    model = Model()
+    optimizer = nnx.Optimizer(
+        model, optax_ext.MultiSteps(optax.adam(LR), K), wrt=nnx.Param
+    )
+    emit_step(model, optimizer, XS[0], YS[0], emit=True)
+    assert int(optimizer.opt_state.gradient_step[...]) == 1
+    graphdef, params = nnx.split(Model(), nnx.Param)
+    grads = nnx.grad(loss)(nnx.merge(graphdef, params), XS[0], YS[0])
+    inner = optax.adam(LR)
+    updates, _ = inner.update(grads, inner.init(params), params)
+    assert_float32_close(
+        params_of(model),
+        _leaves(optax.apply_updates(nnx.as_pure(params), nnx.as_pure(updates))),
+    )
 
 
 def test_weighted_equals_the_inner_optimizer_on_the_weighted_mean():
@@ -240,6 +263,38 @@ def test_weighted_equals_the_inner_optimizer_on_the_weighted_mean():
     assert_moved(got)
     for g, r in zip(got, direct_reference(WEIGHTS), strict=True):
         assert_float32_close(g, r)
+
+
+def test_wrt_is_honoured():
+    """An optimizer built with `wrt` (the output layer only) updates those
+    params only, as `nnx.Optimizer.update` does with the same gradients."""
+    wrt = nnx.All(nnx.Param, nnx.PathContains("out"))
+
+    def steps(apply):
+        model = Model()
+        tx = optax_ext.MultiSteps(optax.adam(LR), K)
+        optimizer = nnx.Optimizer(model, tx, wrt=wrt)
+
+        @nnx.jit
+        def step(model, optimizer, x, y):
+            grads = nnx.grad(loss, argnums=nnx.DiffState(0, wrt))(model, x, y)
+            apply(optimizer, model, grads)
+
+        for t in range(K):
+            step(model, optimizer, XS[t], YS[t])
+        return model, optimizer
+
+    model, optimizer = steps(optax_ext.nnx_apply_gradients)
+    ref_model, ref_optimizer = steps(lambda o, m, g: o.update(m, g))
+    hidden, out = nnx.state(model.hidden, nnx.Param), nnx.state(model.out, nnx.Param)
+    for a, b in zip(_leaves(hidden), _leaves(nnx.state(Model().hidden)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert_moved([_leaves(out)], part="out")
+    assert_float32_close(_leaves(out), _leaves(nnx.state(ref_model.out, nnx.Param)))
+    assert int(optimizer.step[...]) == int(ref_optimizer.step[...]) == K
+    assert jax.tree.structure(nnx.state(optimizer)) == jax.tree.structure(
+        nnx.state(ref_optimizer)
+    )
 
 
 def test_bad_arguments_raise_before_anything_changes():
@@ -358,10 +413,6 @@ def _save_and_restore(tmp_path, name, model, optimizer):
             fresh_opt, checkpointer.restore(path / "optimizer", nnx.state(fresh_opt))
         )
     return fresh, fresh_opt
-
-
-def _leaves(tree):
-    return [np.array(x) for x in jax.tree.leaves(tree)]
 
 
 def test_checkpoint_mid_window_restores_bit_exact_and_goes_on(tmp_path):
