@@ -99,7 +99,7 @@ def nnx_apply_gradients(
     train_step(model, optimizer, jnp.ones((8, 4)))
     ```
     """
-    nnx = sys.modules.get("flax.nnx")
+    nnx: Any = sys.modules.get("flax.nnx")  # None: no NNX optimizer exists
     _check_arguments(nnx, optimizer, model, emit)
     # As `nnx.Optimizer.update` (flax 0.12) reads and writes its state.
     graph = {"graph": optimizer.graph} if hasattr(optimizer, "graph") else {}

@@ -29,7 +29,7 @@ def _holds_graph_node(value: Any, is_graph_node: Callable) -> bool:
 
 
 def split_graph_nodes(
-    args: tuple, kwargs: dict, keep: Collection[int]
+    args: tuple, kwargs: dict, keep: Collection[int | None]
 ) -> tuple[tuple, dict, bool]:
     """`args` and `kwargs` with each value that holds an NNX graph node (a
     module, a variable) split into a `SplitNode`, but for the positions in

@@ -8,6 +8,7 @@ gradient computed directly (float64, rounded once), `nnx.value_and_grad` on
 the whole batch, and an uninterrupted run.
 """
 
+import os
 import subprocess
 import sys
 
@@ -23,6 +24,13 @@ nnx = pytest.importorskip("flax.nnx")
 
 K, WINDOWS, LR = 3, 3, 0.05
 EPS = float(np.finfo(np.float32).eps)
+# XLA:CPU at -O0 (the suite's default, conftest.py) compiles without LLVM's
+# optimisations, which contract and reorder float arithmetic: there two
+# programs doing the same operations give the same bits. At XLA's default
+# level they differ by an ulp or so.
+SAME_BITS = jax.default_backend() == "cpu" and (
+    "--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", "")
+)
 
 
 class Model(nnx.Module):
@@ -106,6 +114,15 @@ def assert_float32_close(got, want, ulps=4):
         np.testing.assert_allclose(a, b, rtol=0, atol=ulps * EPS * scale)
 
 
+def assert_same_arithmetic(got, want):
+    """Two programs doing the same float32 operations: bit for bit where
+    `SAME_BITS`, within float32 rounding elsewhere."""
+    assert_float32_close(got, want)
+    if SAME_BITS:
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def assert_moved(windows, part=None):
     """Every window changed the params (of `part`, a submodule's name, if
     given): a reference that did nothing would compare equal to a run that
@@ -167,14 +184,15 @@ def test_import_optax_ext_imports_no_flax():
 
 def test_drop_in_through_nnx_optimizer_equals_optax_multisteps():
     """`optax_ext.MultiSteps` in place of `optax.MultiSteps` in
-    `nnx.Optimizer`: the params after each window agree within float32
-    rounding (the two compile the inner step apart: 1 ulp after the first
-    window on XLA:CPU, a few after three), the counters are equal."""
+    `nnx.Optimizer`: the params after each window are equal bit for bit at
+    XLA:CPU -O0, within float32 rounding at XLA's default level (the two
+    compile the inner step apart: 0 to 1 ulp after the first window, 1 to
+    7 after later ones, as measured); the counters are equal."""
     want, _, ref_opt = run(optax.MultiSteps(optax.adam(LR), K), plain(drop_in_step))
     got, _, opt = run(optax_ext.MultiSteps(optax.adam(LR), K), plain(drop_in_step))
     assert_moved(want)
     for g, w in zip(got, want, strict=True):
-        assert_float32_close(g, w)
+        assert_same_arithmetic(g, w)
     assert int(opt.step[...]) == int(ref_opt.step[...]) == K * WINDOWS
     assert int(opt.opt_state.gradient_step[...]) == WINDOWS
     assert int(opt.opt_state.mini_step[...]) == int(ref_opt.opt_state.mini_step[...])
@@ -207,7 +225,7 @@ def test_fused_step_equals_drop_in_and_the_inner_optimizer_on_the_mean():
             fused.append(params_of(model))
     assert_moved(fused)
     for f, d, r in zip(fused, drop_in, direct_reference(), strict=True):
-        assert_float32_close(f, d)
+        assert_same_arithmetic(f, d)
         assert_float32_close(f, r)
     assert int(optimizer.step[...]) == int(ref_opt.step[...]) == K * WINDOWS
     assert jax.tree.structure(nnx.state(optimizer)) == jax.tree.structure(
