@@ -235,8 +235,8 @@ def test_fused_step_equals_drop_in_and_the_inner_optimizer_on_the_mean():
 
 def test_emit_equals_the_fused_step():
     """`emit=` chosen on the host (`t % K == K - 1`) gives the fused step's
-    params bit for bit (the same accumulation and inner step, XLA:CPU),
-    and the same counters."""
+    params (bit for bit on XLA:CPU, at -O0 and at the default level as
+    measured; asserted where `SAME_BITS`), and the same counters."""
     tx = optax_ext.MultiSteps(optax.adam(LR), K)
     want, _, ref_opt = run(tx, plain(fused_step))
 
@@ -246,8 +246,7 @@ def test_emit_equals_the_fused_step():
     got, _, opt = run(optax_ext.MultiSteps(optax.adam(LR), K), step)
     assert_moved(got)
     for g, w in zip(got, want, strict=True):
-        for a, b in zip(g, w, strict=True):
-            np.testing.assert_array_equal(a, b)
+        assert_same_arithmetic(g, w)
     assert int(opt.step[...]) == int(ref_opt.step[...])
     assert int(opt.opt_state.gradient_step[...]) == WINDOWS
     # The host decides: emit=True on a window's first step ends it there,
@@ -258,14 +257,12 @@ def test_emit_equals_the_fused_step():
     )
     emit_step(model, optimizer, XS[0], YS[0], emit=True)
     assert int(optimizer.opt_state.gradient_step[...]) == 1
-    graphdef, params = nnx.split(Model(), nnx.Param)
-    grads = nnx.grad(loss)(nnx.merge(graphdef, params), XS[0], YS[0])
-    inner = optax.adam(LR)
-    updates, _ = inner.update(grads, inner.init(params), params)
-    assert_float32_close(
-        params_of(model),
-        _leaves(optax.apply_updates(nnx.as_pure(params), nnx.as_pure(updates))),
+    reference = Model()  # adam itself, through nnx.Optimizer
+    drop_in_step(
+        reference, nnx.Optimizer(reference, optax.adam(LR), wrt=nnx.Param), XS[0], YS[0]
     )
+    assert_moved([params_of(model)])
+    assert_float32_close(params_of(model), params_of(reference))
 
 
 def test_weighted_equals_the_inner_optimizer_on_the_weighted_mean():
