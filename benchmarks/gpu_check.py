@@ -190,10 +190,11 @@ def timer(programs: list, buffers: list, data):
     return call
 
 
-def whole_case(dtype: str, quick: bool, n_steps: int, rounds: int) -> dict:
+def whole_case(dtype: str, quick: bool, n_steps: int, rounds: int, model=None) -> dict:
     """ms per step over windows of 4 (host loop), temporary and compiled
-    peak MiB of each form's whole train step, and the device's peak."""
-    params, loss, batch = mlp(dtype, quick)
+    peak MiB of each form's whole train step, and the device's peak;
+    `model(dtype, quick)` gives (params, loss, batch), `mlp` by default."""
+    params, loss, batch = (model or mlp)(dtype, quick)
     steps = whole_steps(loss, dtype)
     compiled = {}
     for init, window in steps.values():

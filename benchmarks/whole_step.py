@@ -2,13 +2,40 @@
 and the optimizer step in one `jax.jit`, params and state donated), for
 each optax_ext form beside `optax.MultiSteps` and the bare optimizer,
 compiled the same way: for XLA:CPU with the JAX installed, and for an
-H200 and a TPU v5e deviceless where run in `.venv-deviceless`.
+H200 and a TPU v5e deviceless where run in `.venv-deviceless`; with
+`--estimate`, each form's device time estimated from the same compile.
 
     python benchmarks/whole_step.py [--backends cpu gpu tpu] [--out FILE]
+        [--cases default|decoder]
+    python benchmarks/whole_step.py --estimate --backends gpu tpu \
+        [--models mlp decoder gpt2-small] [--dtypes float32 bfloat16]
 
 The steps and models are those of `tests/test_train_step_memory.py`,
 which asserts the bound; this prints the figures, at the sizes of the
 issue that asked for them (an MLP of 4 x (2048, 2048), batch 8).
+`--cases decoder` gives a GPT-2-like decoder whose activations dominate
+(4 layers of width 256, 4 heads, sequence 128, batch 8, vocabulary 4096).
+
+`--estimate` (an estimate, not a measurement) compiles every form's
+whole step, and the loss and `jax.grad` alone, and costs each program
+from its compiled HLO; a two-branch conditional costs its cheaper branch
+on a mini-step and its dearer one on an emitting step, and a window of 4
+is 3 mini-steps and 1 emitting step (`emit=`: 3 `emit=False` steps and
+1 `emit=True` step).
+
+- H200 (`gpu`): each kernel of the entry computation (and of the branch
+  a step runs) takes max(FLOPs / peak, bytes / 4.8 TB/s). Bytes are its
+  operands' and result's, as `bytes_model.py` of the project's GPU notes
+  counts them; FLOPs are 2 x the output's elements x the contracted size
+  of each `dot` it runs. Peaks: the H200's dense tensor-core figures,
+  494.7 TFLOP/s for a float32 dot (JAX's default precision runs it in
+  TF32 on this GPU), 989.4 TFLOP/s for bfloat16, 66.9 TFLOP/s for any
+  other. No launch latency, every kernel at its peak: a lower bound that
+  favours no form.
+- TPU v5e (`tpu`): the sum of the `estimated_cycles` XLA:TPU's cost model
+  writes on each instruction of the entry computation (and of the branch
+  a step runs). Instructions without it (asynchronous copies and slices,
+  scalar ops, a gather and a scatter) count 0; the count is printed.
 """
 
 from __future__ import annotations
@@ -17,6 +44,7 @@ import argparse
 import os
 import pathlib
 import platform
+import re
 import subprocess
 import sys
 
@@ -29,7 +57,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 import test_train_step_memory as ts  # noqa: E402
-from _compiled import unavailable  # noqa: E402
+from _compiled import compile_step, unavailable  # noqa: E402
 
 import optax_ext  # noqa: E402
 
@@ -37,6 +65,8 @@ COLUMNS = ["bare", "optax", "drop-in", "fused", "emit=False", "emit=True"]
 MLP = "mlp 4 x (2048, 2048), batch 8"
 GPT = "gpt2-like, 2 layers of width 256"
 WIDE = "gpt2-like, 6 layers of width 512, sequence 128"
+DECODER = "gpt2-like decoder, 4 layers of width 256, sequence 128, batch 8"
+GPT2_SMALL = "gpt2-small-like, 12 layers of width 768, sequence 128, batch 8"
 # (model, dtype, inner, the accumulator_dtype of optax_ext's forms)
 CASES = [
     (MLP, "float32", "adamw", jnp.float32),
@@ -49,6 +79,14 @@ CASES = [
     (WIDE, "float32", "adamw", jnp.float32),
     (WIDE, "float32", "clip+adamw", jnp.float32),
 ]
+# An activation-dominated model beside the MLP (`--cases decoder`).
+DECODER_CASES = [
+    (DECODER, "float32", "adamw", jnp.float32),
+    (DECODER, "float32", "clip+adamw", jnp.float32),
+    (DECODER, "bfloat16", "adamw", jnp.float32),
+]
+CASE_SETS = {"default": CASES, "decoder": DECODER_CASES}
+MODEL_NAMES = {"mlp": MLP, "decoder": DECODER, "gpt2-small": GPT2_SMALL}
 
 
 def _model(name, dtype):
@@ -56,41 +94,394 @@ def _model(name, dtype):
         return ts._mlp(dtype, width=2048, depth=4, batch=8)
     if name == WIDE:
         return ts._gpt(dtype, d=512, layers=6, heads=8, vocab=4096, seq=128)
+    if name == DECODER:
+        return ts._gpt(dtype, d=256, layers=4, heads=4, vocab=4096, seq=128, batch=8)
+    if name == GPT2_SMALL:
+        return ts._gpt(dtype, d=768, layers=12, heads=12, vocab=50257, seq=128, batch=8)
     return ts._gpt(dtype)
 
 
-def ratio(backend, model, dtype, inner, accumulator, form):
+def compiled_step(backend, model, dtype, inner, accumulator, form):
+    """(the form's whole train step compiled for `backend`, the params);
+    form `grads`: the loss and `jax.grad` alone, returning the gradients."""
     params, loss, batch = _model(model, jnp.dtype(dtype))
+    if form == "grads":
+
+        def step(params, state, batch):
+            return jax.grad(loss)(params, batch)
+
+        return ts.compile_train_step(backend, step, params, (), batch, []), params
     tx = ts.INNER[inner][0]()
     opt = {"bare": tx, "optax": optax.MultiSteps(tx, ts.K)}.get(form)
     opt = opt or optax_ext.MultiSteps(tx, ts.K, accumulator_dtype=accumulator)
     state = jax.eval_shape(opt.init, params)
     step = ts.train_step(opt, form, loss, [])
-    compiled = ts.compile_train_step(backend, step, params, state, batch, [])
+    return ts.compile_train_step(backend, step, params, state, batch, []), params
+
+
+def ratio(backend, model, dtype, inner, accumulator, form):
+    compiled, params = compiled_step(backend, model, dtype, inner, accumulator, form)
     return compiled.memory_analysis().temp_size_in_bytes / ts._bytes(params)
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--backends", nargs="+", default=["cpu", "gpu", "tpu"])
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    commit = subprocess.run(
+# --- device time estimated from the compiled HLO (`--estimate`) -------------
+
+H200_BYTES_PER_S = 4.8e12
+# The H200's dense peaks: tensor cores for float32 dots at JAX's default
+# precision (TF32) and for bfloat16 ones; CUDA cores otherwise.
+H200_PEAK = {"f32": 494.7e12, "bf16": 989.4e12, "f16": 989.4e12}
+H200_OTHER_PEAK = 66.9e12
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2}
+DTYPE_BYTES |= {"bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8}
+DTYPE_BYTES |= {"f64": 8}
+ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+# Ops that launch no kernel and move no data of their own.
+FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
+FREE |= {"after-all", "opt-barrier", "partition-id", "replica-id"}
+FREE |= {"copy-start", "copy-done", "add-dependency"}
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][a-z\-]*)\((.*)$")
+
+
+def _arrays(shape_text):
+    """[(dtype, [dims])] of the arrays in an HLO shape."""
+    return [
+        (dtype, [int(d) for d in dims.split(",") if d])
+        for dtype, dims in ARRAY.findall(shape_text)
+    ]
+
+
+def _bytes_of(shape_text):
+    total = 0
+    for dtype, dims in _arrays(shape_text):
+        n = DTYPE_BYTES[dtype]
+        for d in dims:
+            n *= d
+        total += n
+    return total
+
+
+def _module(text):
+    """({computation: its instruction lines}, the entry's name, {name: shape})."""
+    comps, name, entry, shapes = {}, None, None, {}
+    for line in text.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name = head.group(2)
+            comps[name] = []
+            entry = name if head.group(1) else entry
+        elif name is not None and line.strip() and line.strip() != "}":
+            comps[name].append(line)
+            found = INSTRUCTION.match(line)
+            if found:
+                shapes[found.group(1)] = found.group(2)
+    return comps, entry, shapes
+
+
+def _dot_flops(comps, shapes, name, seen=None):
+    """FLOPs and the lhs dtype of every dot a computation runs, nested
+    computations included: [(flops, dtype)]."""
+    seen = set() if seen is None else seen
+    found = []
+    for line in comps.get(name, []):
+        m = INSTRUCTION.match(line)
+        if not m:
+            continue
+        _, out, op, rest = m.groups()
+        if op == "dot" or (op == "custom-call" and "__cublas" in rest):
+            lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
+            (lhs_dtype, lhs_dims), *_ = _arrays(shapes.get(lhs, "")) or [("f32", [])]
+            if op == "dot":
+                dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest).group(1)
+                contracting = [int(d) for d in dims.split(",") if d]
+            else:
+                dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
+                contracting = [int(d.strip('" ')) for d in dims.group(1).split(",")]
+            k = 1
+            for d in contracting:
+                k *= lhs_dims[d]
+            out_elements = 1
+            for d in _arrays(out)[0][1]:
+                out_elements *= d
+            found.append((2 * out_elements * k, lhs_dtype))
+        for called in re.findall(r"calls=%?([\w.\-]+)", rest):
+            if called not in seen:
+                seen.add(called)
+                found += _dot_flops(comps, shapes, called, seen)
+    return found
+
+
+def _gpu_kernel(comps, shapes, line, out, op, rest):
+    """(seconds, FLOPs, bytes) of one H200 kernel."""
+    operands = rest.split("), ")[0] if "), " in rest else rest
+    moved = _bytes_of(out) + sum(
+        _bytes_of(shapes.get(r, "")) for r in re.findall(r"%([\w.\-]+)", operands)
+    )
+    flops = [
+        f
+        for called in re.findall(r"calls=%?([\w.\-]+)", rest)
+        for f in _dot_flops(comps, shapes, called)
+    ]
+    if op == "custom-call":
+        flops += _dot_flops({"one": [line]}, shapes, "one")
+    compute = sum(f / H200_PEAK.get(dtype, H200_OTHER_PEAK) for f, dtype in flops)
+    return max(compute, moved / H200_BYTES_PER_S), sum(f for f, _ in flops), moved
+
+
+def _tpu_kernel(line):
+    found = re.search(r'"estimated_cycles":"(\d+)"', line)
+    return (int(found.group(1)), 0, 0) if found else None
+
+
+def program_cost(text, backend, pick):
+    """(cost, FLOPs, bytes, instructions without a cost) of running the
+    compiled program once: seconds on the H200, cycles on the TPU v5e.
+    `pick` chooses among a conditional's branches' costs (min: a
+    mini-step; max: an emitting step)."""
+    comps, entry, shapes = _module(text)
+    missing = [0]
+
+    def run(name):
+        total = [0.0, 0, 0]
+        for line in comps[name]:
+            m = INSTRUCTION.match(line)
+            if not m:
+                continue
+            _, out, op, rest = m.groups()
+            if op in FREE:
+                continue
+            if op == "conditional":
+                found = re.findall(r"branch_computations=\{([^}]*)\}", rest)
+                names = re.findall(r"%?([\w.\-]+)", found[0]) if found else []
+                names += re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", rest)
+                costs = [run(n) for n in names]
+                chosen = pick(costs, key=lambda c: c[0])
+                total = [a + b for a, b in zip(total, chosen, strict=True)]
+                continue
+            if op in ("while", "call"):
+                body = re.search(r"(?:body|to_apply)=%?([\w.\-]+)", rest)
+                if body:
+                    total = [
+                        a + b for a, b in zip(total, run(body.group(1)), strict=True)
+                    ]
+                continue
+            if backend == "gpu":
+                cost = _gpu_kernel(comps, shapes, line, out, op, rest)
+            else:
+                cost = _tpu_kernel(line)
+                if cost is None:
+                    missing[0] += 1
+                    continue
+            total = [a + b for a, b in zip(total, cost, strict=True)]
+        return total
+
+    cost, flops, moved = run(entry)
+    return cost, flops, moved, missing[0]
+
+
+# The programs of a window of 4, per form: (program, branch pick) per step.
+WINDOW_OF = {
+    "bare": [("bare", min)] * 4,
+    "optax": [("optax", min)] * 3 + [("optax", max)],
+    "drop-in": [("drop-in", min)] * 3 + [("drop-in", max)],
+    "fused": [("fused", min)] * 3 + [("fused", max)],
+    "emit=": [("emit=False", min)] * 3 + [("emit=True", max)],
+}
+
+
+def estimate(backend, model, dtype, inner="adamw"):
+    """The estimate table's lines for one case on `backend`."""
+    programs = ["grads", "bare", "optax", "drop-in", "fused", "emit=False", "emit=True"]
+    cost, temp = {}, {}
+    for form in programs:
+        compiled, params = compiled_step(
+            backend, model, dtype, inner, jnp.float32, form
+        )
+        text = compiled.as_text()
+        for pick in (min, max):
+            cost[form, pick] = program_cost(text, backend, pick)
+        temp[form] = compiled.memory_analysis().temp_size_in_bytes / ts._bytes(params)
+        print(f"  {form}: {cost[form, min]} / {cost[form, max]}", file=sys.stderr)
+    unit, scale = ("us", 1e6) if backend == "gpu" else ("k cycles", 1e-3)
+    grads = cost["grads", min][0]
+    window = {f: sum(cost[p, k][0] for p, k in steps) for f, steps in WINDOW_OF.items()}
+    lines = [
+        f"| form | mini-step, {unit} | emitting step, {unit} | window of 4, {unit} "
+        "| optax / form, window | optimizer's share of the window | temp / params |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for form, steps in WINDOW_OF.items():
+        (mini, k0), (emit, k1) = steps[0], steps[-1]
+        share = 1 - 4 * grads / window[form]
+        mem = (
+            f"{temp[mini]:.3f}"
+            if mini == emit
+            else f"{temp[mini]:.3f}, {temp[emit]:.3f}"
+        )
+        first, last = cost[mini, k0][0] * scale, cost[emit, k1][0] * scale
+        lines.append(
+            f"| {form} | {first:.1f} | {last:.1f} "
+            f"| {window[form] * scale:.1f} | {window['optax'] / window[form]:.2f} "
+            f"| {share:.2f} | {mem} |"
+        )
+    g = cost["grads", min]
+    lines += [
+        "",
+        f"The loss and `jax.grad` alone: {g[0] * scale:.1f} {unit} a step"
+        + (
+            f", {g[1] / 1e9:.2f} GFLOP of dots and {g[2] / 1e6:.1f} MB moved."
+            if backend == "gpu"
+            else f"; instructions without `estimated_cycles` in optax's step: "
+            f"{cost['optax', max][3]}, in the fused step: {cost['fused', max][3]}."
+        ),
+        "",
+    ]
+    return lines
+
+
+def bits(windows=10):
+    """Lines comparing each form's params with optax.MultiSteps' after
+    every step of `windows` windows of 4 of the same whole train step
+    (a 2-layer tanh MLP of (64, 64), float32, adamw, batch 16): the first
+    step whose params differ, and at the end how many of the 8,192 params
+    differ and by how much at most."""
+    import numpy as np
+
+    key = jax.random.key(0)
+    params = {
+        f"w{i}": jax.random.normal(jax.random.fold_in(key, i), (64, 64)) / 8
+        for i in range(2)
+    }
+    xs = jax.random.normal(jax.random.fold_in(key, 2), (4 * windows, 16, 64))
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(jnp.tanh(x @ p["w0"]) @ p["w1"]) ** 2)
+
+    def run(opt, form):
+        steps = [form] * 4
+        if form == "emit=":
+            steps = ["emit=False"] * 3 + ["emit=True"]
+        forms = {
+            f: jax.jit(ts.train_step(opt, f, loss, []), donate_argnums=(0, 1))
+            for f in set(steps)
+        }
+        p, s, out = jax.tree.map(jnp.copy, params), opt.init(params), []
+        for t, x in enumerate(xs):
+            p, s = forms[steps[t % 4]](p, s, x)
+            out.append(np.concatenate([np.asarray(v).ravel() for v in p.values()]))
+        return np.stack(out)
+
+    want = run(optax.MultiSteps(optax.adamw(1e-2), ts.K), "optax")
+    lines = [
+        "| form | first step whose params differ | params differing after "
+        f"{windows} windows | largest difference |",
+        "|---|---|---|---|",
+    ]
+    for form in ("drop-in", "fused", "emit="):
+        got = run(optax_ext.MultiSteps(optax.adamw(1e-2), ts.K), form)
+        differ = [t + 1 for t in range(len(xs)) if (got[t] != want[t]).any()]
+        lines.append(
+            f"| {form} | {differ[0] if differ else 'none'} "
+            f"| {int((got[-1] != want[-1]).sum())} of {got.shape[1]} "
+            f"| {float(np.abs(got[-1] - want[-1]).max()):.1e} |"
+        )
+    return lines
+
+
+def optimizer_step_check():
+    """Lines: the H200 model on the optimizer step alone (gradients passed
+    in) of 8 leaves of (4096, 4096), float32, adamw, each form's time over
+    the accumulate floor's: what an H200 timed at commit eb4e737 (optax
+    2.96, fused mini-step 1.71, emitting step 3.95, window of 4 2.28;
+    `gpu_estimate.md`). Run with that commit's optax_ext importable."""
+    params = {
+        f"w{i}": jax.ShapeDtypeStruct((4096, 4096), jnp.float32) for i in range(8)
+    }
+
+    def accumulate(p, s, g):
+        acc, n = s
+        fold = lambda a, x: a + (x - a) / (n + 1).astype(a.dtype)  # noqa: E731
+        return p, (jax.tree.map(fold, acc, g), n + 1)
+
+    ref = optax.MultiSteps(optax.adamw(1e-3, weight_decay=1e-2), 4)
+
+    def drop_in(p, s, g):
+        updates, s = ref.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    ext = optax_ext.MultiSteps(optax.adamw(1e-3, weight_decay=1e-2), 4)
+    jobs = {
+        "accumulate": (accumulate, (params, jax.ShapeDtypeStruct((), jnp.int32))),
+        "optax": (drop_in, jax.eval_shape(ref.init, params)),
+        "fused": (
+            lambda p, s, g: optax_ext.apply_gradients(ext, g, s, p),
+            jax.eval_shape(ext.init, params),
+        ),
+    }
+    t = {}
+    for name, (step, state) in jobs.items():
+        text = compile_step("gpu", step, params, state, params).as_text()
+        t[name] = [program_cost(text, "gpu", pick)[0] for pick in (min, max)]
+    floor = t["accumulate"][0]
+    window = (3 * t["fused"][0] + t["fused"][1]) / 4
+    return [
+        f"optax_ext from {pathlib.Path(optax_ext.__file__).parent}: over the "
+        f"accumulate floor, optax {t['optax'][1] / floor:.2f}, fused mini-step "
+        f"{t['fused'][0] / floor:.2f}, emitting step {t['fused'][1] / floor:.2f}, "
+        f"window of 4 {window / floor:.2f}."
+    ]
+
+
+def _commit():
+    return subprocess.run(
         ["git", "describe", "--always", "--dirty"],
         capture_output=True,
         text=True,
         cwd=TESTS.parent,
     ).stdout.strip()
-    lines = [
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backends", nargs="+", default=["cpu", "gpu", "tpu"])
+    parser.add_argument("--cases", choices=sorted(CASE_SETS), default="default")
+    parser.add_argument("--estimate", action="store_true")
+    parser.add_argument("--models", nargs="+", default=["mlp", "decoder"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--bits", action="store_true")
+    parser.add_argument("--optimizer-step-check", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    stamp = (
         f"Written by `benchmarks/whole_step.py`. jax {jax.__version__}, "
         f"optax {optax.__version__}, Python {platform.python_version()}; "
-        f"optax_ext at commit {commit}. GPU: an H200 target, TPU: a v5e, "
-        "compiled deviceless. The whole train step's temporary memory over "
-        "the params' bytes, every_k 4.",
-        "",
-        "| backend | model | dtype | inner | " + " | ".join(COLUMNS) + " |",
-        "|" + " --- |" * (4 + len(COLUMNS)),
-    ]
+        f"optax_ext at commit {_commit()}. GPU: an H200 target, TPU: a v5e, "
+        "compiled deviceless."
+    )
+    if args.optimizer_step_check:
+        print("\n".join(optimizer_step_check()))
+        return
+    if args.bits:
+        lines = [
+            stamp + " XLA:CPU: where each form's params stop equalling "
+            "optax.MultiSteps' bit for bit, in the same whole train step.",
+            "",
+            *bits(),
+        ]
+        args.backends = []
+    elif args.estimate:
+        lines = [
+            stamp + " Estimated from the compile, not measured; every_k 4, "
+            "adamw, optax_ext's forms accumulating in float32.",
+            "",
+        ]
+    else:
+        lines = [
+            stamp + " The whole train step's temporary memory over the "
+            "params' bytes, every_k 4.",
+            "",
+            "| backend | model | dtype | inner | " + " | ".join(COLUMNS) + " |",
+            "|" + " --- |" * (4 + len(COLUMNS)),
+        ]
     for backend in args.backends:
         why = unavailable(backend)
         if why:
@@ -98,7 +489,15 @@ def main():
             continue
         name = {"cpu": f"XLA:CPU (jax {jax.__version__})", "gpu": "H200"}
         name = name.get(backend, "TPU v5e")
-        for model, dtype, inner, acc in CASES:
+        if args.estimate:
+            for model in args.models:
+                for dtype in args.dtypes:
+                    print(f"{name}, {MODEL_NAMES[model]}, {dtype}:", file=sys.stderr)
+                    lines += [f"### {name}, {MODEL_NAMES[model]}, {dtype}, adamw", ""]
+                    lines += estimate(backend, MODEL_NAMES[model], dtype)
+                    print("\n".join(lines[-12:]), flush=True)
+            continue
+        for model, dtype, inner, acc in CASE_SETS[args.cases]:
             cells = [
                 f"{ratio(backend, model, dtype, inner, acc, f):.3f}" for f in COLUMNS
             ]

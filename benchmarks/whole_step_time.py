@@ -4,23 +4,42 @@ beside `optax.MultiSteps` and the bare optimizer, on the device JAX
 picks (the CPU here; `gpu_check.py` runs the same on a GPU).
 
     python benchmarks/whole_step_time.py [--rounds N] [--out FILE]
+        [--model mlp|decoder] [--dtypes float32 bfloat16]
 
 The steps, the model (an MLP of 4 x (2048, 2048), batch 8, float32 and
 bfloat16, `optax.adamw`) and the timing are `gpu_check.py`'s: every
 program compiled first, then windows of 4 steps timed from a host loop,
 one timing of each form per round in a shuffled order, medians over the
 rounds. `benchmarks/whole_step.py` gives the same steps' memory on each
-backend.
+backend. `--model decoder`: the GPT-2-like decoder of `whole_step.py
+--cases decoder` instead (4 layers of width 256, 4 heads, sequence 128,
+batch 8, vocabulary 4096), whose activations dominate.
 """
 
 from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
 
 import gpu_check
 import jax
+import jax.numpy as jnp
 from run import machine
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+import test_train_step_memory as ts  # noqa: E402
+
+MODELS = {
+    "mlp": (gpu_check.mlp, "an MLP of 4 x (2048, 2048) with a batch of 8"),
+    "decoder": (
+        lambda dtype, quick: ts._gpt(
+            jnp.dtype(dtype), d=256, layers=4, heads=4, vocab=4096, seq=128, batch=8
+        ),
+        "a GPT-2-like decoder of 4 layers of width 256, 4 heads, sequence "
+        "128, batch 8 and a vocabulary of 4096",
+    ),
+}
 
 
 def main() -> None:
@@ -30,7 +49,10 @@ def main() -> None:
         "--steps", type=int, default=16, help="steps per timing (whole windows)"
     )
     parser.add_argument("--out", type=pathlib.Path)
+    parser.add_argument("--model", choices=sorted(MODELS), default="mlp")
+    parser.add_argument("--dtypes", nargs="+", default=gpu_check.WHOLE_CASES)
     args = parser.parse_args()
+    model, described = MODELS[args.model]
     device = jax.devices()[0]
     steps = gpu_check.whole_windows(args.steps)
     lines = [
@@ -38,8 +60,8 @@ def main() -> None:
         "",
         f"Written by `benchmarks/whole_step_time.py`. {machine()}. Device: "
         f"{device.device_kind}. The whole train step (loss, `jax.grad` and the "
-        "step in one `jax.jit`, params and state donated) of an MLP of "
-        "4 x (2048, 2048) with a batch of 8, `optax.adamw(1e-4)`, windows of "
+        f"step in one `jax.jit`, params and state donated) of {described}, "
+        "`optax.adamw(1e-4)`, windows of "
         f"{gpu_check.WINDOW}: ms per step over {steps} steps from a host "
         f"loop, the median of {args.rounds} interleaved rounds; `optax / form`: "
         "above 1, the form is faster. Temporary MiB and compiled peak MiB "
@@ -48,9 +70,9 @@ def main() -> None:
         "updating on every step.",
         "",
     ]
-    for dtype in gpu_check.WHOLE_CASES:
+    for dtype in args.dtypes:
         print(f"{dtype}:", flush=True)
-        case = gpu_check.whole_case(dtype, False, steps, args.rounds)
+        case = gpu_check.whole_case(dtype, False, steps, args.rounds, model)
         lines += [
             f"## {dtype}, jax {jax.__version__}",
             "",
