@@ -86,6 +86,25 @@ def _next_counters(
     return mini.astype(mini_step.dtype), gradient
 
 
+def _is_multi_steps_state(x: Any) -> bool:
+    return isinstance(x, optax.MultiStepsState | WeightedMultiStepsState)
+
+
+def _as_optax_holds_it(state: Any) -> Any:
+    """`state` and every `MultiSteps` state nested in its inner state with
+    `acc_grads` zeros where its window has just ended (`mini_step == 0`)."""
+    start = jnp.asarray(state.mini_step) == 0
+    acc = jax.tree.map(
+        lambda a: jnp.where(start, jnp.zeros_like(a), a), state.acc_grads
+    )
+    inner = jax.tree.map(
+        lambda s: _as_optax_holds_it(s) if _is_multi_steps_state(s) else s,
+        state.inner_opt_state,
+        is_leaf=_is_multi_steps_state,
+    )
+    return state._replace(acc_grads=acc, inner_opt_state=inner)
+
+
 class MultiSteps(Configured):
     """Accumulates gradients over several mini-steps, then applies `opt` once.
 
@@ -406,7 +425,9 @@ class MultiSteps(Configured):
         next fold to overwrite. optax's first fold adds to the accumulator
         it finds (`acc + (g - acc) / 1`, or `acc + g` summing), so without
         this it would not give optax_ext's numbers. Mid-window both hold
-        the same. A state of optax's goes on in optax_ext as it is.
+        the same. Every `MultiSteps` state inside the inner state (a nested
+        `MultiSteps`, at any depth, through chains and wrappers) is
+        converted too. A state of optax's goes on in optax_ext as it is.
         Jittable; the state's type and avals are kept. A window held open
         past its length (`apply_gradients(..., emit=False)`) has no optax
         form, as optax would never close it: refused where the counters are
@@ -437,11 +458,7 @@ class MultiSteps(Configured):
                     "this window. Close it first: one more step with "
                     "`emit=True`, or without `emit`."
                 )
-        start = jnp.asarray(state.mini_step) == 0
-        acc = jax.tree.map(
-            lambda a: jnp.where(start, jnp.zeros_like(a), a), state.acc_grads
-        )
-        return state._replace(acc_grads=acc)
+        return _as_optax_holds_it(state)
 
     def emits_next(
         self, state: optax.MultiStepsState | WeightedMultiStepsState

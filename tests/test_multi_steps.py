@@ -458,6 +458,58 @@ def test_state_moves_between_optax_and_optax_ext(use_grad_mean, stop):
         assert not np.array_equal(unconverted, want)
 
 
+def _nested(lib, inject, mean):
+    """Optimizers with a `MultiSteps` inside another's inner state, built
+    from `lib`'s `MultiSteps` and `inject`'s `inject_hyperparams`."""
+    ms = lambda opt, k: lib.MultiSteps(opt, every_k_schedule=k, use_grad_mean=mean)
+    return {
+        "nested": ms(ms(optax.sgd(1.0), 2), 2),
+        "three deep": ms(optax.chain(optax.scale(1.0), ms(ms(optax.sgd(1.0), 2), 2)), 2),
+        "chain": ms(optax.chain(optax.scale(0.5), ms(optax.sgd(1.0), 3)), 2),
+        "skip_when": ms(optax_ext.skip_when(ms(optax.sgd(1.0), 2)), 2),
+        "inject_hyperparams": ms(
+            inject(lambda learning_rate: ms(optax.sgd(learning_rate), 2))(
+                learning_rate=1.0
+            ),
+            2,
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["nested", "three deep", "chain", "skip_when", "inject_hyperparams"]
+)
+@pytest.mark.parametrize("use_grad_mean", [True, False], ids=["mean", "sum"])
+def test_optax_state_converts_every_nested_multi_steps_state(case, use_grad_mean):
+    """`optax_state` zeroed only the outer accumulator: a nested MultiSteps
+    that had just emitted kept its window's mean (or sum), and
+    optax.MultiSteps added it into its next window (after a spike, -0.5
+    where optax alone gives -1.0). Moved to optax at every step, the run
+    goes on to optax alone's updates bit for bit, jitted as they are."""
+    ours = _nested(optax_ext, optax_ext.inject_hyperparams, use_grad_mean)[case]
+    theirs = _nested(optax, optax.inject_hyperparams, use_grad_mean)[case]
+    # A spike mid-run: `acc + (g - acc)` after it does not give `g` back.
+    grads = [jnp.full(2, v, jnp.float32) for v in [1.0] * 8 + [1e8] * 8 + [1.0] * 16]
+    p = jnp.zeros(2)
+
+    step_ours, step_theirs = jax.jit(ours.update), jax.jit(theirs.update)
+    to_optax = jax.jit(ours.optax_state)
+
+    def run(cut):
+        s, out = (ours if cut else theirs).init(p), []
+        for t, g in enumerate(grads):
+            if t == cut and cut:
+                s = to_optax(s)
+            u, s = (step_ours if t < cut else step_theirs)(g, s, p)
+            out.append(u)
+        return np.stack(jax.device_get(out))
+
+    want = run(0)  # optax alone
+    assert np.any(want != 0)
+    for cut in range(1, len(grads)):
+        np.testing.assert_array_equal(run(cut), want, err_msg=f"moved at step {cut}")
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_state_is_interchangeable_with_optax(dtype):
     params = {"a": jnp.ones((3, 2), dtype), "b": jnp.ones(2, dtype)}
