@@ -277,7 +277,9 @@ def microbatched(
       this device's own gradients, and the floating outputs are `pmean`-ed
       after the loop (integer ones `psum`-ed). `grad_fn` is written for
       this device's rows, as on one device; the result is the gradient of
-      the mean over all devices' rows;
+      the mean over all devices' rows. It takes the params as an argument:
+      a `grad_fn` closing over them (`jax.grad` would sum their gradient
+      over the devices) is refused, here and with `Auto` axes;
     - under `jax.jit` with the batch sharded over `Explicit` mesh axes, the
       axes are read from the batch's type (an `axis_name` given there must
       name some of them); with `Auto` axes pass

@@ -33,6 +33,7 @@ from ._sharding import (
     manual_axes,
     sharded_type,
     split_leading,
+    summed_axes,
     varying_axes,
     zeros_like_struct,
 )
@@ -119,6 +120,27 @@ def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
     if want is None or have is None or want <= have:
         return value
     return cast_varying(value, tuple(want - have))
+
+
+def _check_not_summed(
+    out: jax.Array, acc: jax.Array, axis_name: Any, path: Any
+) -> None:
+    """Refuses an output that is the same on every device along `axis_name`:
+    the gradient of a value `grad_fn` closes over, already summed."""
+    same = summed_axes(out, acc, manual_axes(axis_names(axis_name)))
+    if same:
+        along = same[0] if len(same) == 1 else same
+        raise ValueError(
+            f"microbatched(axis_name={axis_name!r}): grad_fn's output at "
+            f"{jax.tree_util.keystr(path) or 'the root'} is the same on every "
+            f"device along {along!r}, so it does not come from this device's "
+            "rows: it is the gradient (or a function) of a value grad_fn "
+            "closes over, and under jax.shard_map jax.grad sums such a "
+            "gradient over the devices already; averaging it again would "
+            "scale it. Pass the params (and every traced value grad_fn "
+            "reads) as arguments of grad_fn, given to the microbatched call: "
+            "`microbatched(jax.grad(loss), k, batch_argnums=1)(params, batch)`."
+        )
 
 
 def _check_weight(weight: Any) -> jax.Array:
@@ -405,14 +427,19 @@ def accumulate(
             w = weight_of(j).astype(weights_dtype)
             weight_sum, terms = weighted_fold_terms(weight_sum, w)
             weights = lax.dynamic_update_index_in_dim(weights, w, j, axis=0)
-        outs = jax.tree.leaves(eqx.filter(call(j), is_combined))
+        paths_outs = jax.tree_util.tree_leaves_with_path(
+            eqx.filter(call(j), is_combined)
+        )
+        outs = [out for _, out in paths_outs]
         if len(outs) != len(acc):
             raise ValueError(
                 "grad_fn returned a different structure on its second trace: "
                 f"{len(outs)} arrays against {len(acc)}."
             )
         new = []
-        for kind, out, a in zip(kinds, outs, acc, strict=True):
+        for kind, (path, out), a in zip(kinds, paths_outs, acc, strict=True):
+            if axis_name is not None and kind not in ("concat", GRADIENT):
+                _check_not_summed(out, a, axis_name, path)
             value = _fold_output(kind, j, out, a, terms)
             new.append(value if axis_name is None else _match_varying(value, a))
         if axis_name is not None and weighted:

@@ -284,6 +284,50 @@ def test_grad_fn_closing_over_a_traced_value_is_named():
             step(params, sharded, jnp.float32(2.0))
 
 
+def _closure_step(where, closes_over):
+    """A jitted gradient of `loss` through `microbatched(axis_name="data")`
+    on `Auto` axes (under `jax.set_mesh`) or inside the caller's
+    `shard_map`; `closes_over`: `grad_fn` reads the params from the
+    enclosing function, else they are its argument."""
+
+    def grads(params, batch):
+        if closes_over:
+            fn = lambda b: jax.grad(loss)(params, b)
+            micro = optax_ext.microbatched(fn, K, axis_name="data", batch_argnums=0)
+            return micro(batch)
+        fn = optax_ext.microbatched(
+            jax.grad(loss), K, axis_name="data", batch_argnums=1
+        )
+        return fn(params, batch)
+
+    if where == "auto":
+        return jax.jit(grads)
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.jit(
+        jax.shard_map(grads, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    )
+
+
+@pytest.mark.parametrize("where", ["auto", "shard_map"])
+def test_grad_fn_closing_over_params_is_refused_not_scaled(where):
+    """With `Auto` axes or inside the caller's `shard_map`, a `grad_fn`
+    closing over the params got them typed as the same on every device:
+    `jax.grad` summed their gradient over the devices and the loop averaged
+    it again, 8x the whole batch's gradient on 8 devices, silently. It is
+    refused, saying to pass them as an argument; passed so, the gradient
+    is the whole batch's."""
+    params, batch = _problem()
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        rows = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        with pytest.raises(ValueError, match=r"closes over(.|\n)*Pass the params"):
+            _closure_step(where, closes_over=True)(params, rows)
+        got = _closure_step(where, closes_over=False)(params, rows)
+    with jax.enable_x64(True):
+        want = jax.grad(loss)(_f64(params), _f64(batch))
+    _assert_close(got, want)
+
+
 def test_axis_name_the_explicit_batch_is_not_split_over_is_refused():
     """With the batch split over `Explicit` axes, the loop averages over
     the axes its type names; an `axis_name` naming another (a typo, or the
