@@ -13,7 +13,9 @@ the test's bound holds; the same for the host-chosen steps
 (`apply_gradients(..., emit=)`), where there is no conditional; and the
 FSDP step of `test_fsdp_step_per_device` (Adam-W, 4 leaves of
 (1024, 1024) split over 4 H200s or a v5e 2x2), per device, for each
-partitioner and mesh axis. Exact: compiled, not run.
+partitioner and mesh axis; and each form's device cost (the GPU's
+bytes, the TPU's estimated cycles) against optax.MultiSteps'. Exact:
+compiled, not run.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def main() -> None:
         for form in ("emit=False", "emit=True"):
             lines.append(_row(backends, layout, inner, dtype, form))
             print(lines[-1], flush=True)
+    lines += _cost_section([b for b in backends if b != "cpu"])
     lines += _fsdp_section([b for b in backends if b != "cpu"])
     out = ROOT / "benchmarks" / "results" / "deviceless.md"
     out.write_text("\n".join(lines) + "\n")
@@ -105,6 +108,41 @@ def _row(backends: list[str], layout: str, inner: str, dtype: str, form: str) ->
             f"{'ok' if got['temp'] <= bound else 'OVER'}"
         )
     return f"| {layout} | {inner} | {dtype} | {form} | " + " | ".join(cells) + " |"
+
+
+def _cost_section(backends: list[str]) -> list[str]:
+    lines = [
+        "",
+        "## Device cost per form",
+        "",
+        "The optimizer step of `_compiled` (gradients passed in, params and "
+        "state donated), the GPT-2-like tree, float32, against "
+        "optax.MultiSteps' step: on the GPU the bytes its kernels read and "
+        "write, on the TPU the cycles XLA:TPU's cost model estimates "
+        "(`estimated_cycles`, summed; `tests/_compiled.step_cost`). A "
+        "cell: mini-step / emitting step / window of 4, over optax's.",
+        "",
+        "| backend | inner | optax | drop-in | fused | emit=False | emit=True |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for backend in backends:
+        for inner in ("adamw", "lion"):
+            forms = ("optax", "drop-in", "fused", "emit=False", "emit=True")
+            cost = {
+                f: t._compiled(backend, "gpt2-like", inner, "float32", f)["cost"]
+                for f in forms
+            }
+            ref = cost["optax"][0]
+            cells = [f"{ref:,} {'cycles' if backend == 'tpu' else 'bytes'}"]
+            for f in forms[1:]:
+                mini, emitting = cost[f]
+                win = (3 * mini + emitting) / 4
+                cells.append(
+                    f"{mini / ref:.3f} / {emitting / ref:.3f} / {win / ref:.3f}"
+                )
+            lines.append(f"| {backend.upper()} | {inner} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+    return lines
 
 
 def _fsdp_section(backends: list[str]) -> list[str]:

@@ -184,3 +184,89 @@ def report(compiled, leaf_shapes: set[str], markers: tuple[str, ...]) -> dict:
         "temp": memory.temp_size_in_bytes,
         "alias": memory.alias_size_in_bytes,
     }
+
+
+# What a compiled step costs a device, per backend: the cycles XLA:TPU's
+# cost model estimates for each instruction (`"estimated_cycles"` in its
+# backend config), or, elsewhere, the bytes each kernel reads and writes
+# (an optimizer step is memory-bound: `/work/shared/gpu/bytes_model.py`,
+# checked against an H200's timings).
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+    "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_FREE = {
+    "parameter", "get-tuple-element", "tuple", "bitcast", "constant",
+    "after-all", "opt-barrier", "partition-id", "replica-id", "copy-start",
+    "copy-done", "add-dependency",
+}  # fmt: skip
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][a-z\-]*)\((.*)$")
+
+
+def _array_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _DTYPE_BYTES[dtype]
+    return total
+
+
+def step_cost(compiled, backend: str) -> tuple[int, int]:
+    """(a mini-step's, an emitting step's) device cost of a compiled step:
+    on a TPU (`backend == "tpu"`) XLA:TPU's estimated cycles, summed over
+    the instructions run; elsewhere the bytes the kernels read and write. A
+    conditional costs its cheaper branch on a mini-step and its dearer one
+    on an emitting step; a loop's body is counted once."""
+    text = compiled.as_text()
+    comps: dict[str, list[str]] = {}
+    shapes: dict[str, str] = {}
+    name = None
+    for line in text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if header and not line.startswith(" "):
+            name = "ENTRY" if line.startswith("ENTRY") else header.group(1)
+            comps[name] = []
+            for arg, shape in re.findall(
+                r"([\w.\-]+): ((?:\([^)]*\))|(?:\w+\[[\d,]*\]))", line.split("->")[0]
+            ):
+                shapes[arg] = shape
+        elif name is not None and line.startswith("  "):
+            comps[name].append(line)
+            found = _INSTRUCTION.match(line)
+            if found:
+                shapes[found.group(1)] = found.group(2)
+
+    def cost(comp: str, pick) -> int:
+        total = 0
+        for line in comps[comp]:
+            found = _INSTRUCTION.match(line)
+            if not found:
+                continue
+            _, out, op, rest = found.groups()
+            if op == "conditional":
+                many = re.search(r"branch_computations=\{([^}]*)\}", rest)
+                branches = (
+                    re.findall(r"%([\w.\-]+)", many.group(1))
+                    if many
+                    else re.findall(r"(?:true|false)_computation=%([\w.\-]+)", rest)
+                )
+                total += pick(cost(b, pick) for b in branches)
+            elif op in ("while", "call"):
+                body = re.search(r"(?:body|to_apply)=%([\w.\-]+)", rest)
+                total += cost(body.group(1), pick) if body else 0
+            elif backend == "tpu":
+                total += sum(map(int, _CYCLES.findall(line)))
+            elif op not in _FREE:
+                operands = rest.split("), ")[0]
+                total += _array_bytes(out) + sum(
+                    _array_bytes(shapes.get(r, ""))
+                    for r in re.findall(r"%([\w.\-]+)", operands)
+                )
+        return total
+
+    return cost("ENTRY", min), cost("ENTRY", max)

@@ -141,7 +141,7 @@ def update_if(
         return result, new_state, count
 
     def selected():
-        leaves = jax.tree.leaves(call(operands, inner_state, carry))
+        leaves = jax.tree.leaves(call(fold_apart(operands), inner_state, carry))
         leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
         result, new_state = jax.tree.unflatten(out_def, leaves)
         return (
@@ -151,6 +151,32 @@ def update_if(
 
     result, new_state, count = _per_platform(selected_on, selected, conditional)
     return result, new_state, count if returns_count else None
+
+
+def fold_apart(tree: PyTree) -> PyTree:
+    """`tree` (the folded accumulator, before the drop-in's inner optimizer
+    run on every step) with each array leaf behind an optimization barrier of its
+    own on TPUs: there the fold stays a loop of its own, which writes the
+    accumulator, and the inner optimizer's loops read it. Without it
+    XLA:TPU (libtpu 0.0.48.1) fuses the fold with one of the optimizer's
+    loops (Adam's second moment, Lion's updates) and the rest into
+    another, puts the moment it selects in on-chip memory for that one
+    and copies it out: 1.33x optax.MultiSteps' estimated cycles with
+    Adam-W on the GPT-2-like tree, 1.25x with Lion. Elsewhere the fold is
+    left to fuse into the optimizer's loop, which reads the gradients
+    and the accumulator once (an H200: 1.11x the bytes apart)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    if not at:
+        return tree
+    arrays = lax.platform_dependent(
+        [leaves[i] for i in at],
+        tpu=lambda xs: [lax.optimization_barrier(x) for x in xs],
+        default=lambda xs: xs,
+    )
+    for i, x in zip(at, arrays, strict=True):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def _decided(
