@@ -122,12 +122,17 @@ def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
     return cast_varying(value, tuple(want - have))
 
 
-def _check_not_summed(
-    out: jax.Array, acc: jax.Array, axis_name: Any, path: Any
-) -> None:
-    """Refuses an output that is the same on every device along `axis_name`:
-    the gradient of a value `grad_fn` closes over, already summed."""
-    same = summed_axes(out, acc, manual_axes(axis_names(axis_name)))
+def _check_not_summed(outs: PyTree, kinds: list, acc: list, axis_name: Any) -> None:
+    """Refuses a reduced output that is the same on every device along
+    `axis_name`: the gradient of a value `grad_fn` closes over, summed."""
+    names = manual_axes(axis_names(axis_name))
+    paths = jax.tree_util.tree_leaves_with_path(outs)
+    for kind, (path, out), a in zip(kinds, paths, acc, strict=True):
+        if kind not in ("concat", GRADIENT):
+            _refuse_summed(summed_axes(out, a, names), axis_name, path)
+
+
+def _refuse_summed(same: tuple, axis_name: Any, path: Any) -> None:
     if same:
         along = same[0] if len(same) == 1 else same
         raise ValueError(
@@ -427,19 +432,17 @@ def accumulate(
             w = weight_of(j).astype(weights_dtype)
             weight_sum, terms = weighted_fold_terms(weight_sum, w)
             weights = lax.dynamic_update_index_in_dim(weights, w, j, axis=0)
-        paths_outs = jax.tree_util.tree_leaves_with_path(
-            eqx.filter(call(j), is_combined)
-        )
-        outs = [out for _, out in paths_outs]
+        combined = eqx.filter(call(j), is_combined)
+        outs = jax.tree.leaves(combined)
         if len(outs) != len(acc):
             raise ValueError(
                 "grad_fn returned a different structure on its second trace: "
                 f"{len(outs)} arrays against {len(acc)}."
             )
         new = []
-        for kind, (path, out), a in zip(kinds, paths_outs, acc, strict=True):
-            if axis_name is not None and kind not in ("concat", GRADIENT):
-                _check_not_summed(out, a, axis_name, path)
+        if axis_name is not None:
+            _check_not_summed(combined, kinds, acc, axis_name)
+        for kind, out, a in zip(kinds, outs, acc, strict=True):
             value = _fold_output(kind, j, out, a, terms)
             new.append(value if axis_name is None else _match_varying(value, a))
         if axis_name is not None and weighted:
