@@ -297,29 +297,48 @@ def test_whole_step_figures_of_the_performance_page_come_from_the_results():
     )
 
 
+def test_opening_figures_of_the_performance_page_come_from_the_results():
+    """The same for docs/performance.md's first screen (what each form
+    gains per kind of model and backend), written by hand."""
+    page = (ROOT / "docs" / "performance.md").read_text()
+    section = page.split("\n## The whole train step against optax.MultiSteps\n")[0]
+    missing = _figures_not_in_results(section)
+    assert missing == [], (
+        f"docs/performance.md's opening figures not in benchmarks/results/: {missing}"
+    )
+
+
 # The performance page's names of whole_step.py's cases.
 WHOLE_STEP_MODELS = {
     "MLP": "mlp 4 x (2048, 2048), batch 8",
     "GPT-2-like": "gpt2-like, 2 layers of width 256",
     "wider GPT-2-like": "gpt2-like, 6 layers of width 512, sequence 128",
+    "decoder": "gpt2-like decoder, 4 layers of width 256, sequence 128, batch 8",
 }
 WHOLE_STEP_FORMS = ["optax", "drop-in", "fused", "emit=False", "emit=True", "bare"]
+# The files whose memory tables (`| backend | model | ...`) whole_step.py
+# writes: `--cases default` and `--cases decoder`.
+WHOLE_STEP_FILES = ["whole_step.md", "whole_step_transformer.md"]
 
 
 def _whole_step_rows() -> dict[tuple[str, ...], dict[str, str]]:
-    """benchmarks/results/whole_step.md's rows: (backend, model, dtype,
-    inner) to each form's figure."""
-    text = (ROOT / "benchmarks" / "results" / "whole_step.md").read_text()
-    rows, header = {}, None
-    for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if not line.startswith("|") or set(cells[0]) <= set("- "):
-            continue
-        if cells[0] == "backend":
-            header = cells
-            continue
-        assert tuple(cells[:4]) not in rows, f"whole_step.md: {cells[:4]} twice"
-        rows[tuple(cells[:4])] = dict(zip(header[4:], cells[4:], strict=True))
+    """The rows of whole_step.py's memory tables in WHOLE_STEP_FILES:
+    (backend, model, dtype, inner) to each form's figure."""
+    rows = {}
+    for name in WHOLE_STEP_FILES:
+        header = None
+        for line in (ROOT / "benchmarks" / "results" / name).read_text().splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not line.startswith("|"):
+                header = None  # a table's end
+                continue
+            if cells[0] == "backend":
+                header = cells
+                continue
+            if header is None or set(cells[0]) <= set("- "):
+                continue
+            assert tuple(cells[:4]) not in rows, f"{name}: {cells[:4]} twice"
+            rows[tuple(cells[:4])] = dict(zip(header[4:], cells[4:], strict=True))
     return rows
 
 
@@ -353,8 +372,9 @@ def _performance_whole_step_cells():
 def test_whole_step_tables_of_the_performance_page_equal_the_results():
     """Cell by cell: each figure of docs/performance.md's per-backend
     whole-step tables is the figure of that backend, JAX, case and form in
-    benchmarks/results/whole_step.md (a figure that is merely somewhere in
-    the results, the check above, can be another case's)."""
+    benchmarks/results/whole_step.md or whole_step_transformer.md (a
+    figure that is merely somewhere in the results, the check above, can
+    be another case's)."""
     rows = _whole_step_rows()
     cells = list(_performance_whole_step_cells())
     # Every row of whole_step.md is on the page, each form of it once.
