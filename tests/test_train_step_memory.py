@@ -95,7 +95,72 @@ def _gpt(dtype, d=256, layers=2, heads=4, vocab=1024, seq=64, batch=1):
     return params, loss, jnp.zeros((batch, seq), jnp.int32)
 
 
-MODELS = {"mlp": _mlp, "gpt2-like": _gpt}
+def _head_split_decoder(
+    dtype, d=128, layers=2, heads=4, vocab=4096, seq=64, batch=8, mlp=512
+):
+    """A decoder whose attention kernels are split per head, as Flax's
+    `nnx.MultiHeadAttention` stores them: query, key and value kernels of
+    shape `(d, heads, d // heads)` with biases `(heads, d // heads)`, the
+    output kernel `(heads, d // heads, d)`; layer norms with biases, an
+    untied head with a bias. Smallest plain-JAX model found on which
+    XLA:TPU gives the fused step more temporary memory than
+    optax.MultiSteps' (`benchmarks/results/tpu_decoder.md`)."""
+    hd = d // heads
+    shapes = {"wte": (vocab, d), "head.w": (d, vocab), "head.b": (vocab,)}
+    shapes |= {"ln_f.g": (d,), "ln_f.b": (d,)}
+    for i in range(layers):
+        for name, shape in {
+            "ln_1.g": (d,),
+            "ln_1.b": (d,),
+            "q.w": (d, heads, hd),
+            "q.b": (heads, hd),
+            "k.w": (d, heads, hd),
+            "k.b": (heads, hd),
+            "v.w": (d, heads, hd),
+            "v.b": (heads, hd),
+            "o.w": (heads, hd, d),
+            "o.b": (d,),
+            "ln_2.g": (d,),
+            "ln_2.b": (d,),
+            "fc.w": (d, mlp),
+            "fc.b": (mlp,),
+            "out.w": (mlp, d),
+            "out.b": (d,),
+        }.items():
+            shapes[f"h{i}.{name}"] = shape
+    params = {k: jnp.full(s, 0.01, dtype) for k, s in shapes.items()}
+
+    def norm(x, p, name):
+        mean = x.mean(-1, keepdims=True)
+        x = (x - mean) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+        return x * p[f"{name}.g"] + p[f"{name}.b"]
+
+    def loss(p, tokens):
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        x = p["wte"][inputs]
+        mask = jnp.tril(jnp.ones((seq, seq), bool))
+        for i in range(layers):
+            h = norm(x, p, f"h{i}.ln_1")
+            q, k, v = (
+                jnp.einsum("btd,dhe->bthe", h, p[f"h{i}.{n}.w"]) + p[f"h{i}.{n}.b"]
+                for n in "qkv"
+            )
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / hd**0.5
+            att = jax.nn.softmax(jnp.where(mask, scores, -1e9), -1)
+            a = jnp.einsum("bhqk,bkhd->bqhd", att, v)
+            x = x + jnp.einsum("bqhd,hde->bqe", a, p[f"h{i}.o.w"]) + p[f"h{i}.o.b"]
+            h = norm(x, p, f"h{i}.ln_2")
+            h = jax.nn.gelu(h @ p[f"h{i}.fc.w"] + p[f"h{i}.fc.b"])
+            x = x + h @ p[f"h{i}.out.w"] + p[f"h{i}.out.b"]
+        logits = norm(x, p, "ln_f") @ p["head.w"] + p["head.b"]
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), targets
+        ).mean()
+
+    return params, loss, jnp.zeros((batch, seq + 1), jnp.int32)
+
+
+MODELS = {"mlp": _mlp, "gpt2-like": _gpt, "head-split": _head_split_decoder}
 
 _SCHEDULE = optax.linear_schedule(0.0, 1e-3, 10)
 # name: the inner optimizer, and the extra arguments each step passes it.
@@ -327,6 +392,46 @@ def test_bfloat16_accumulator_keeps_every_form_within_the_bound(backend, inner, 
     optax_ = temp_ratio(*case, "optax")
     bare = temp_ratio(*case, "bare")
     _assert_within_bound(form, got, optax_, bare)
+
+
+# XLA:TPU (libtpu of jax 0.11.2) on a decoder with per-head attention
+# kernels: the fused step's conditional needs temporary memory that
+# optax.MultiSteps' step, the bare one and the conditional-free forms do
+# not (benchmarks/results/tpu_decoder.md). Open: the figure in the reason.
+HEAD_SPLIT_OPEN = {"fused"}
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        pytest.param(
+            form,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="open (benchmarks/results/tpu_decoder.md): XLA:TPU gives "
+                "the fused step's conditional 1.546x the params of temporary "
+                "memory on the head-split decoder; optax.MultiSteps 0.000x, "
+                "bare 0.000x",
+            ),
+        )
+        if form in HEAD_SPLIT_OPEN
+        else form
+        for form in FORMS
+        if FULL or form in HEAD_SPLIT_OPEN
+    ],
+)
+@pytest.mark.xdist_group("ts-head-split")
+def test_head_split_decoder_on_tpu(form):
+    """The whole step of a decoder whose attention kernels are split per
+    head (`_head_split_decoder`, Flax NNX's layout) with AdamW on a TPU
+    v5e: at most the larger of optax.MultiSteps' and the bare step's
+    temporary memory + 2% of the params."""
+    _skip_unless("tpu")
+    case = ("tpu", "head-split", "adamw", "float32")
+    got = temp_ratio(*case, form)
+    _assert_within_bound(
+        form, got, temp_ratio(*case, "optax"), temp_ratio(*case, "bare")
+    )
 
 
 @functools.cache
