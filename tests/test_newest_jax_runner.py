@@ -17,10 +17,16 @@ BUILD = (
     "-r tests/data/newest-requirements.txt -e ."
 )
 # The compiled-structure (HLO) tests and the XLA:CPU cases of the whole
-# train step's memory: what a new XLA changes first; and that the suite's
-# fast XLA:CPU compile gives XLA's default program. `nox -s newest` runs
-# the whole suite on the newest releases.
-FILES = ["test_hlo.py", "test_train_step_memory.py", "test_compile_options.py"]
+# train step's memory: what a new XLA changes first; that the suite's
+# fast XLA:CPU compile gives XLA's default program; the golden bits
+# recorded for it (test_golden.py). `nox -s newest` runs the whole suite
+# on the newest releases.
+FILES = [
+    "test_hlo.py",
+    "test_train_step_memory.py",
+    "test_compile_options.py",
+    "test_golden.py",
+]
 
 
 def _python() -> pathlib.Path | None:
