@@ -464,7 +464,9 @@ def _nested(lib, inject, mean):
     ms = lambda opt, k: lib.MultiSteps(opt, every_k_schedule=k, use_grad_mean=mean)
     return {
         "nested": ms(ms(optax.sgd(1.0), 2), 2),
-        "three deep": ms(optax.chain(optax.scale(1.0), ms(ms(optax.sgd(1.0), 2), 2)), 2),
+        "three deep": ms(
+            optax.chain(optax.scale(1.0), ms(ms(optax.sgd(1.0), 2), 2)), 2
+        ),
         "chain": ms(optax.chain(optax.scale(0.5), ms(optax.sgd(1.0), 3)), 2),
         "skip_when": ms(optax_ext.skip_when(ms(optax.sgd(1.0), 2)), 2),
         "inject_hyperparams": ms(
