@@ -42,7 +42,7 @@ import optax
 import optax_ext
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run import machine  # noqa: E402
+from _timing import machine  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SIZES = (24, 96, 288, 1000)

@@ -28,7 +28,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import _compiled  # noqa: E402  (sets JAX_PLATFORMS=cpu before jax)
 import test_compiled_backends as t  # noqa: E402
-from run import machine  # noqa: E402
+from _timing import machine  # noqa: E402
 
 
 def main() -> None:

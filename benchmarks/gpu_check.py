@@ -85,7 +85,7 @@ import optax_ext  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _steps import NEVER, floors, fused, multi_steps, params_and_grads, scanned  # noqa: E402
-from run import machine  # noqa: E402
+from _timing import machine  # noqa: E402
 
 RESULTS = HERE / "results" / "gpu"
 WINDOW = 4

@@ -4,7 +4,7 @@ Run with `python benchmarks/train_step.py` (`--quick` for a smoke run that
 writes nothing). Each case (inner optimizer, params layout, dtype) runs in a
 fresh process; within it every candidate is compiled first, then timed
 round-robin in a shuffled order each round (one timing of each candidate
-per round: consecutive calls lasting at least `run.MIN_SECONDS`), and the
+per round: consecutive calls lasting at least `_timing.MIN_SECONDS`), and the
 median over rounds is reported, so that a noisy shared machine slows all
 candidates alike and the ratios stay meaningful.
 
@@ -72,7 +72,7 @@ from _steps import (  # noqa: E402
     params_and_grads,
     train_step,
 )
-from run import machine, time_interleaved  # noqa: E402
+from _timing import machine, time_interleaved  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -189,8 +189,8 @@ def report(compiled, leaf_shapes: set[str], markers: tuple[str, ...]) -> dict:
 # What a compiled step costs a device, per backend: the cycles XLA:TPU's
 # cost model estimates for each instruction (`"estimated_cycles"` in its
 # backend config), or, elsewhere, the bytes each kernel reads and writes
-# (an optimizer step is memory-bound: `/work/shared/gpu/bytes_model.py`,
-# checked against an H200's timings).
+# (an optimizer step is memory-bound: the GPU notes' `bytes_model.py`,
+# outside this repository, checked against an H200's timings).
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,

@@ -424,7 +424,7 @@ def test_loops_over_the_accumulator_per_step(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_MultiSteps_update_with_donated_gradients(backend):
     """`jax.jit(opt.update, donate_argnums=(0, 1))`, gradients and state
-    donated, no params (`benchmarks/run.py`): the zero updates of a
+    donated, no params (`benchmarks/investigations/run.py`): the zero updates of a
     mini-step and the window's updates go into the gradients' buffers, so
     Adam's step needs at most 2% of the params in temporary memory."""
     _skip_unless(backend)

@@ -202,7 +202,7 @@ def test_docstring_examples_run(name, obj):
 
 def _sync_docs():
     spec = importlib.util.spec_from_file_location(
-        "sync_docs", ROOT / "benchmarks" / "sync_docs.py"
+        "sync_docs", ROOT / "docs" / "sync_docs.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -212,7 +212,7 @@ def _sync_docs():
 
 def test_included_results_equal_the_results_files():
     """Each `<!-- results: FILE -->` include in README.md and docs/*.md holds
-    FILE's current text; refresh with `python benchmarks/sync_docs.py`."""
+    FILE's current text; refresh with `python docs/sync_docs.py`."""
     sync_docs = _sync_docs()
     assert sync_docs.pages() == [ROOT / page for page in PAGES]
     included = [
@@ -222,7 +222,7 @@ def test_included_results_equal_the_results_files():
     ]
     assert included, "no page includes a results file"
     assert sync_docs.stale_pages() == [], (
-        "run `python benchmarks/sync_docs.py` to refresh the included results"
+        "run `python docs/sync_docs.py` to refresh the included results"
     )
 
 

@@ -1,7 +1,7 @@
 """What each mechanism of the update path buys, on each backend: each
 switched off in turn.
 
-    .venv-deviceless/bin/python benchmarks/mechanisms.py [--quick]
+    .venv-deviceless/bin/python benchmarks/investigations/mechanisms.py [--quick]
 
 (the deviceless environment of `tests/data/deviceless-requirements.txt`,
 which compiles for an H200 and a TPU v5e on this CPU) writes
@@ -14,7 +14,7 @@ whether the conditional is kept (no op of the inner optimizer outside a
 branch), copies of a params-leaf-sized array (every step, and inside the
 emitting branch), temporary memory over the params' bytes. On XLA:CPU
 the mini-step and the emitting step are also timed, candidates
-interleaved (`run.time_interleaved`). A variant replaces one mechanism by
+interleaved (`_timing.time_interleaved`). A variant replaces one mechanism by
 its plain form while the step is traced.
 """
 
@@ -30,14 +30,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import _compiled  # noqa: E402  (JAX_PLATFORMS=cpu, libtpu's lock: set there)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from run import machine, time_interleaved  # noqa: E402
+from _timing import machine, time_interleaved  # noqa: E402
 
 import optax_ext  # noqa: E402
 from optax_ext._accumulate import branch, window  # noqa: E402
@@ -162,7 +162,8 @@ def write(results: dict, path: Path) -> str:
     lines = [
         "# What each mechanism of the update path buys, per backend",
         "",
-        "Written by `benchmarks/mechanisms.py` (its docstring says how). "
+        "Written by `benchmarks/investigations/mechanisms.py` (its docstring "
+        "says how). "
         f"Measured on: {machine()}. GPU: an H200 target, TPU: a v5e, both "
         "compiled deviceless. A cell: conditional kept (no op of the inner "
         "optimizer outside a branch) / copies of a params-leaf-sized array on "

@@ -1,11 +1,11 @@
 """MultiSteps side by side: optax_ext against optax.MultiSteps and the floor.
 
-Run with `nox -s bench` (or `python benchmarks/run.py`). Everything is
+Run with `nox -s bench` (or `python benchmarks/investigations/run.py`). Everything is
 measured in one process, interleaved round-robin (one call of each candidate
 per round, in a shuffled order, medians over rounds), so that a noisy shared
 machine slows all candidates alike and the ratios stay meaningful. Within a
 round a candidate is timed over consecutive calls lasting at least
-`MIN_SECONDS` (one call of a slow one). Each (inner optimizer, size) case
+`_timing.MIN_SECONDS` (one call of a slow one). Each (inner optimizer, size) case
 runs in a fresh process.
 
 Candidates, for each inner optimizer and size:
@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import platform
 import random
 import statistics
 import subprocess
@@ -49,10 +47,12 @@ from jax import lax
 
 import optax_ext
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _timing import MIN_SECONDS, machine, time_calls  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 LEAVES = 8
 NEVER = 1_000_000_000  # every_k_schedule for steps that never emit
-MIN_SECONDS = 0.05  # a round times each candidate over at least this long
 
 INNER: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adam": lambda: optax.adam(1e-3),
@@ -144,30 +144,6 @@ class Runner:
         return time_calls(self.call, min_seconds)
 
 
-def time_calls(call: Callable[[], float], min_seconds: float = MIN_SECONDS) -> float:
-    """Seconds per call over consecutive calls of `call` (which returns the
-    seconds it took) totalling `min_seconds` (at least one call): a fast step
-    is timed over many calls in a row, as mini-steps run in training, rather
-    than once after whatever heavy candidate preceded it."""
-    total, calls = 0.0, 0
-    while total < min_seconds or calls == 0:
-        total += call()
-        calls += 1
-    return total / calls
-
-
-def time_interleaved(runners: list, rounds: int) -> None:
-    """Times every runner once a round (`time_calls(runner.call)`, appended
-    to `runner.times`), in an order shuffled each round with a fixed seed:
-    a noisy machine slows all candidates alike, so their ratios hold."""
-    order = list(runners)
-    shuffle = random.Random(0).shuffle
-    for _ in range(rounds):
-        shuffle(order)
-        for runner in order:
-            runner.times.append(time_calls(runner.call))
-
-
 def compile_time(tx: optax.GradientTransformation, params, grads) -> float:
     """Trace, lower and compile a fresh jit of the update (no cache hit)."""
     state = tx.init(params)
@@ -210,33 +186,6 @@ def bench(inner: str, n_params: int, rounds: int) -> dict[str, dict[str, float]]
             "compile_s": statistics.median(compile_times.get(name, [runner.compile_s])),
         }
     return out
-
-
-def machine() -> str:
-    return (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"{jax.devices()[0].platform.upper()}, jax {jax.__version__}, "
-        f"optax {optax.__version__}, Python {platform.python_version()}; "
-        f"optax_ext at {code_version()}"
-    )
-
-
-def code_version() -> str:
-    """The commit the measured optax_ext comes from (`OPTAX_EXT_COMMIT`
-    when run from an exported copy without git)."""
-    if os.environ.get("OPTAX_EXT_COMMIT"):
-        return os.environ["OPTAX_EXT_COMMIT"]
-    here = Path(optax_ext.__file__).parent
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(here), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return "an unknown commit"
-    return f"commit {out.stdout.strip()}"
 
 
 def write_table(results, path: Path) -> str:

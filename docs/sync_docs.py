@@ -13,8 +13,8 @@ whose slug is `slug` (lower case, spaces as `-`, punctuation dropped, as
 GitHub and mkdocs make anchors), up to the next heading of the same or a
 higher level.
 
-    python benchmarks/sync_docs.py          # rewrite the included text
-    python benchmarks/sync_docs.py --check  # change nothing; exit 1 if stale
+    python docs/sync_docs.py          # rewrite the included text
+    python docs/sync_docs.py --check  # change nothing; exit 1 if stale
 
 tests/test_docs.py runs the check, so a page cannot disagree with the last
 benchmark run.
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in stale:
             print(f"out of date: {line}")
         if stale:
-            print("run `python benchmarks/sync_docs.py` to refresh them")
+            print("run `python docs/sync_docs.py` to refresh them")
         return 1 if stale else 0
     for page in pages():
         text = page.read_text()

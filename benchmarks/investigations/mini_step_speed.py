@@ -1,10 +1,10 @@
 """The drop-in's and the fused mini-step's time against the plain
 `lax.cond` MultiSteps of `_steps.plain_multi_steps` and optax.MultiSteps,
-alone: five candidates of `train_step.py`, timed round-robin over many
+alone: five candidates of `benchmarks/train_step.py`, timed round-robin over many
 rounds, for a steadier ratio than the whole table gives on a shared
 machine.
 
-Run with `python benchmarks/mini_step_speed.py [ROUNDS] [INNER] [LAYOUT]`
+Run with `python benchmarks/investigations/mini_step_speed.py [ROUNDS] [INNER] [LAYOUT]`
 (default 60 rounds of Adam on 96 x (64, 64) float32 leaves); prints the
 median ratios and the spread over four quarters of the rounds.
 """
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import statistics
 import sys
+from pathlib import Path
 
-from run import machine, time_interleaved
-from train_step import LAYOUTS, Runner, params_and_grads, steps
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _timing import machine, time_interleaved  # noqa: E402
+from train_step import LAYOUTS, Runner, params_and_grads, steps  # noqa: E402
 
 NAMES = ["ext", "plain", "optax", "ext fused", "plain fused"]
 

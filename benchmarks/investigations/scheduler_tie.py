@@ -2,7 +2,7 @@
 every gradient at once on an H200, and the host-chosen mini-step does
 not: XLA:GPU's memory scheduler, read from its own log.
 
-    .venv-deviceless/bin/python benchmarks/scheduler_tie.py [--out FILE]
+    .venv-deviceless/bin/python benchmarks/investigations/scheduler_tie.py [--out FILE]
 
 Compiles the whole train step of `tests/test_train_step_memory.py` (its
 MLP of 4 x (1024, 1024), adamw, `apply_gradients`) for the H200 target,
@@ -28,7 +28,7 @@ import subprocess
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
-TESTS = HERE.parent / "tests"
+TESTS = HERE.parents[1] / "tests"
 CASES = [("float32", "fused"), ("bfloat16", "fused"), ("float32", "emit=False")]
 
 
@@ -118,8 +118,8 @@ def main() -> None:
     lines = [
         "# XLA:GPU's memory scheduler on the bfloat16 step",
         "",
-        f"Written by `benchmarks/scheduler_tie.py`, jax {jax.__version__}, "
-        "H200 target, deviceless.",
+        "Written by `benchmarks/investigations/scheduler_tie.py`, "
+        f"jax {jax.__version__}, H200 target, deviceless.",
         "",
     ]
     for accumulator, form in CASES:

@@ -1,9 +1,9 @@
 """The time of the train step users write (a loss, `jax.grad` and the
 optimizer step in one `jax.jit`, params and state donated), each form
 beside `optax.MultiSteps` and the bare optimizer, on the device JAX
-picks (the CPU here; `gpu_check.py` runs the same on a GPU).
+picks (the CPU here; `benchmarks/gpu_check.py` runs the same on a GPU).
 
-    python benchmarks/whole_step_time.py [--rounds N] [--out FILE]
+    python benchmarks/investigations/whole_step_time.py [--rounds N] [--out FILE]
         [--model mlp|decoder] [--dtypes float32 bfloat16]
 
 The steps, the model (an MLP of 4 x (2048, 2048), batch 8, float32 and
@@ -22,13 +22,14 @@ import argparse
 import pathlib
 import sys
 
-import gpu_check
 import jax
 import jax.numpy as jnp
-from run import machine
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(BENCHMARKS), str(BENCHMARKS.parent / "tests")]
+import gpu_check  # noqa: E402
 import test_train_step_memory as ts  # noqa: E402
+from _timing import machine  # noqa: E402
 
 MODELS = {
     "mlp": (gpu_check.mlp, "an MLP of 4 x (2048, 2048) with a batch of 8"),
@@ -58,7 +59,8 @@ def main() -> None:
     lines = [
         f"# The whole train step's time on {device.platform.upper()}",
         "",
-        f"Written by `benchmarks/whole_step_time.py`. {machine()}. Device: "
+        f"Written by `benchmarks/investigations/whole_step_time.py`. {machine()}. "
+        "Device: "
         f"{device.device_kind}. The whole train step (loss, `jax.grad` and the "
         f"step in one `jax.jit`, params and state donated) of {described}, "
         "`optax.adamw(1e-4)`, windows of "
