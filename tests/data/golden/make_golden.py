@@ -6,8 +6,8 @@ one compressed `.npz` per group of cases (every recorded array's bits) and
 Record from a clean checkout of the commit whose behaviour is the
 reference (docs/contributing.md, "Golden outputs"):
 
-    git worktree add /tmp/golden_wt HEAD
-    cd /tmp/golden_wt && PYTHONPATH=/tmp/golden_wt \\
+    WT=$(mktemp -d) && git worktree add "$WT" HEAD
+    cd "$WT" && PYTHONPATH="$WT" \\
         /path/to/repo/.venv/bin/python tests/data/golden/make_golden.py
 
 (and with `.venv-newest`), then copy the new `jax-*` directories back.
@@ -31,6 +31,15 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 TESTS = HERE.parent.parent
 MULTIDEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+
+
+def _relative(path: pathlib.Path, root: pathlib.Path) -> str:
+    """`path` relative to `root` where it lies inside it (no machine path
+    in a committed record), else as it is."""
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _child(devices: int, out: pathlib.Path) -> None:
@@ -145,7 +154,8 @@ def main() -> None:
         "xla_flags_by_process": {f"{d} device(s)": runs[d]["xla_flags"] for d in runs},
         "commit": _git(["rev-parse", "HEAD"], repo),
         "uncommitted_changes": dirty,
-        "package": str(package),
+        # The package recorded, relative to the checkout recorded from.
+        "package": _relative(package, repo),
         "cases": runs[1]["groups"] | runs[8]["groups"],
         "files": files,
     }
