@@ -155,18 +155,10 @@ def update_if(
 
 def fold_apart(tree: PyTree) -> PyTree:
     """`tree` (the folded accumulator, before the drop-in's inner optimizer
-    run on every step) with each array leaf behind an optimization barrier of its
-    own on TPUs: there the fold stays a loop of its own, which writes the
-    accumulator, and the inner optimizer's loops read it. Without it
-    XLA:TPU (libtpu 0.0.48.1) fuses the fold with one of the optimizer's
-    loops (Adam's second moment, Lion's updates) and the rest into
-    another, puts the moment it selects in on-chip memory for that one
-    and copies it out: 1.33x optax.MultiSteps' estimated cycles with
-    Adam-W on the GPT-2-like tree, 1.25x with Lion. Elsewhere the fold is
-    left to fuse into the optimizer's loop, which reads the gradients
-    and the accumulator once (an H200: 1.11x the bytes apart)."""
+    runs on every step) with each leaf of rank 0 or 1 behind an
+    optimization barrier of its own, on TPUs only (docs/design.md)."""
     leaves, treedef = jax.tree.flatten(tree)
-    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.ndim <= 1]
     if not at:
         return tree
     arrays = lax.platform_dependent(
