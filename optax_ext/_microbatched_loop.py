@@ -128,8 +128,9 @@ def _check_not_summed(outs: PyTree, kinds: list, acc: list, axis_name: Any) -> N
     names = manual_axes(axis_names(axis_name))
     paths = jax.tree_util.tree_leaves_with_path(outs)
     for kind, (path, out), a in zip(kinds, paths, acc, strict=True):
-        if kind not in ("concat", GRADIENT):
-            _refuse_summed(summed_axes(out, a, names), axis_name, path)
+        out_axes, acc_axes = varying_axes(out), varying_axes(a)
+        if kind not in ("concat", GRADIENT) and None not in (out_axes, acc_axes):
+            _refuse_summed(summed_axes(out_axes, acc_axes, names), axis_name, path)
 
 
 def _refuse_summed(same: tuple, axis_name: Any, path: Any) -> None:

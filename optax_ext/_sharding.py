@@ -162,15 +162,12 @@ def aval_varying_axes(aval: Any) -> frozenset | None:
     return None if vma is None else frozenset(vma)
 
 
-def summed_axes(value: Any, like: Any, names: tuple) -> tuple:
-    """Those of the axes `names` that `like` varies over inside
-    `jax.shard_map` and `value` does not: there `value` is the same on every
-    device, as `jax.grad` with respect to a replicated value makes it (it
-    sums over the devices). Empty where the types do not say."""
-    v_axes, l_axes = varying_axes(value), varying_axes(like)
-    if v_axes is None or l_axes is None:
-        return ()
-    return tuple(n for n in names if n in l_axes and n not in v_axes)
+def summed_axes(axes: frozenset, like_axes: frozenset, names: tuple) -> tuple:
+    """Those of the mesh axes `names` that a value varying over `like_axes`
+    (its accumulator) varies over and one varying over `axes` does not:
+    that one is the same on every device there, as `jax.grad` with respect
+    to a replicated value makes it (it sums over the devices)."""
+    return tuple(n for n in names if n in like_axes and n not in axes)
 
 
 def axis_names(axes: Any) -> tuple:

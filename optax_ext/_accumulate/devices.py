@@ -13,7 +13,7 @@ from jax import lax
 from jaxtyping import PyTree
 
 from .._leaves import is_none
-from .._sharding import axis_names, varying_axes, varying_call
+from .._sharding import axis_names, summed_axes, varying_axes, varying_call
 from .arithmetic import work_dtype
 
 
@@ -147,7 +147,7 @@ class PerDeviceState(SingleDeviceState):
         name = self.axis_name
         names = axis_names(name)
         for where, g_axes, a_axes in _varying_axes_of(grads, acc):
-            same = tuple(n for n in names if n in a_axes and n not in g_axes)
+            same = summed_axes(g_axes, a_axes, names)
             if same:
                 along = same[0] if len(same) == 1 else same
                 raise ValueError(
