@@ -68,17 +68,14 @@ def _check_argnums(
 
 
 def _raw_key_impl() -> str:
-    """The PRNG implementation a raw key (`jax.random.PRNGKey(...)`, a
-    uint32 array) is read with: JAX's default, `jax_default_prng_impl`."""
-    # The flag's value, context managers included (`jax.default_prng_impl`);
+    """The default PRNG implementation, which a raw uint32 key is read with."""
     # `jax.config`'s type does not declare its flags.
     return getattr(jax.config, "jax_default_prng_impl")  # noqa: B009
 
 
 def _is_single_prng_key(x: Any) -> bool:
-    """Whether `x` is one PRNG key, not a batch of keys: a typed one of
-    shape (), or a raw one that its implementation (the default one) reads
-    as a single key (uint32 `(2,)` for threefry, `(4,)` for rbg)."""
+    """Whether `x` is one PRNG key (typed of shape (), or raw of the default
+    implementation's key shape), not a batch of keys."""
     if is_typed_key(x):
         return jnp.ndim(x) == 0
     if getattr(x, "dtype", None) != jnp.uint32:
@@ -134,8 +131,7 @@ def _batch_size(args: tuple, argnums: tuple[int, ...], k: int) -> int:
 
 
 def _check_per_example(per_example: Any) -> Any:
-    """`per_example`: True, False, `"gradient"`, or a pytree of them (its fit
-    to grad_fn's output is checked on call)."""
+    """`per_example`: True, False, `"gradient"`, or a pytree of them."""
     if isinstance(per_example, bool | np.bool_):
         return bool(per_example)
     marks = jax.tree.leaves(per_example)
@@ -152,8 +148,7 @@ def _check_per_example(per_example: Any) -> Any:
 
 
 def _check_num_real(value: Any, k: int) -> Any:
-    """`num_real_microbatches`: None, or an int scalar; from 0 to `k` where
-    known (a traced one is clipped to that range)."""
+    """`num_real_microbatches`: None, or an int scalar from 0 to `k` where known."""
     if value is None:
         return None
     dtype = getattr(value, "dtype", None)
@@ -199,153 +194,49 @@ def microbatched(
     accumulation.
 
     `microbatched(grad_fn, k)(*args)` returns what `grad_fn(*args)` returns
-    on the whole batch (for the losses and outputs described below), with
-    the activation memory of `1/k` of it: the batch
-    argument (a pytree of arrays sharing a leading batch axis) is cut into `k`
-    micro-batches, `grad_fn` is called on each inside a `lax.fori_loop` (not
-    unrolled: `grad_fn` is traced twice, once for its output's shapes and
-    once for the loop's body), and the outputs are combined leaf by leaf:
+    on the whole batch, with the activation memory of `1/k` of it. The batch
+    (a pytree of arrays with a leading batch axis) is cut into `k`
+    micro-batches, micro-batch `j` the rows `j, j + k, j + 2k, ...`;
+    `grad_fn` runs on each inside a `lax.fori_loop`. The outputs are combined
+    leaf by leaf: floating leaves averaged (the whole batch's value when the
+    loss is a **mean over the batch's rows**), integer leaves summed, bool
+    leaves `any`-ed, other leaves returned as `grad_fn` gives them. Keyword
+    arguments are passed to every call unchanged. Details:
+    docs/multi_steps.md, "What `microbatched` returns" and "How
+    `microbatched` splits the batch".
 
-    - floating leaves (gradients, loss values, float aux) are averaged over
-      the micro-batches. This is the whole batch's value when the loss is a
-      **mean over the batch's rows** (a sum would come back `k` times too
-      small; a weighted mean, with weights that differ between
-      micro-batches, is not a mean of micro-batch means);
-    - integer leaves are summed (counts such as the number of correct
-      predictions), bool leaves are `any`-ed (flags such as "found a NaN");
-    - leaves that are not arrays (an Equinox model's activation functions,
-      `None` gradients) and float0 leaves (the gradients of integer inputs
-      that `jax.grad(..., allow_int=True)` gives) are returned as `grad_fn`
-      gives them.
+    **Numerics:** floating outputs are kept as `MultiSteps`' running mean
+    (the same bits on the same micro-batches) in the least dtype holding
+    both theirs and `accumulator_dtype`; they come back in their own dtypes.
 
-    With `weight_fn`, floating leaves are combined as
-    `sum_j w_j x_j / sum_j w_j` instead, `w_j` micro-batch `j`'s weight: for
-    a loss that is a mean over the batch's non-padding tokens, with `w_j`
-    the micro-batch's token count, that is the whole batch's loss and
-    gradient (integer leaves are still summed, bool ones `any`-ed).
-
-    An output with a row per example is averaged element by element like
-    any floating leaf unless `per_example` marks it; then it comes back with
-    a row per example of the whole batch, each where the batch has it
-    (optax.microbatching's CONCAT). What the rows are, `microbatched`
-    cannot tell, so the mark says:
-
-    - `True`: values of each example on its own (per-example losses as
-      aux), returned as they are;
-    - `"gradient"`: a gradient with respect to the batch itself
-      (`jax.grad(loss, argnums=(0, 1))`). A micro-batch's mean loss weighs
-      each of its rows by `k / N` where the whole batch's weighs it by
-      `1 / N`, so micro-batch `j`'s rows are scaled by its share of the
-      whole batch: `1 / k` (`1 / n` with `n` real micro-batches, and over
-      `d` devices `1 / (n d)`), or `w_j / W` with `weight_fn` (`W` the sum
-      of the weights; the rows of a micro-batch of weight 0 are zeros).
-      Marked `True`, they would come back `k` (or `W / w_j`) times the
-      whole batch's.
-
-    Micro-batch `j` is the rows `j, j + k, j + 2k, ...` of the batch (so
-    that with a sharded batch each device keeps its own rows in every
-    micro-batch). For micro-batch `j` to be the contiguous rows
-    `j N/k, ..., (j + 1) N/k - 1` instead, reorder each leaf before the
-    call, `x.reshape(k, N // k, ...).swapaxes(0, 1).reshape(x.shape)`, and
-    per-example outputs after it with the inverse,
-    `y.reshape(N // k, k, ...).swapaxes(0, 1).reshape(y.shape)`.
-    Keyword arguments are passed to every call unchanged.
-
-    **Numerics:** floating outputs are kept as a running mean,
-    `acc + (g - acc) / (j + 1)` with the first micro-batch's value selected,
-    computed by the same function as `MultiSteps`' (`_accumulate.arithmetic.fold`),
-    so the two give the same bits on the same micro-batches. Each output
-    accumulates in the least dtype holding both its dtype and
-    `accumulator_dtype` (`MultiSteps`' rule): float32 for bfloat16 and
-    float16 outputs by default, their own dtype for float64 and complex
-    ones. A bfloat16 or float16 accumulator (`accumulator_dtype=None`) is
-    updated in float32 and rounded once per micro-batch. A bfloat16 output
-    is folded as the bfloat16 value it is, even where XLA fuses its
-    computation into the fold (and would skip the rounding). They come back
-    in `grad_fn`'s own dtypes. NaN and `inf` in one micro-batch make the
-    mean non-finite, as on the whole batch, but not always the same
-    non-finite value: an `inf` folded before another micro-batch comes
-    back NaN (`inf - inf` in the running mean), as in `optax.MultiSteps`,
-    where the whole batch gives `inf`.
-
-    **Sharding:** with the batch sharded over a data axis, every device holds
-    its rows of every micro-batch, accumulates its own gradients, and they
-    are averaged across devices once, after the loop:
-
-    - inside `jax.shard_map`, pass `axis_name`: the arguments are typed as
-      differing across it (`lax.pcast`), so `jax.grad` in `grad_fn` gives
-      this device's own gradients, and the floating outputs are `pmean`-ed
-      after the loop (integer ones `psum`-ed). `grad_fn` is written for
-      this device's rows, as on one device; the result is the gradient of
-      the mean over all devices' rows. It takes the params as an argument:
-      a `grad_fn` closing over them (`jax.grad` would sum their gradient
-      over the devices) is refused, here and with `Auto` axes;
-    - under `jax.jit` with the batch sharded over `Explicit` mesh axes, the
-      axes are read from the batch's type (an `axis_name` given there must
-      name some of them); with `Auto` axes pass
-      `axis_name` and call it under `jax.set_mesh`. The loop then runs inside
-      a `jax.shard_map` over those axes (other mesh axes stay as they are).
-      The other arguments enter it replicated over the data axes: for
-      params replicated over them (data parallelism);
-    - with params split over the batch's axes (FSDP / ZeRO-3) under
-      `Explicit` axes (read from their types), or under `Auto` axes without
-      `axis_name`, the loop runs under XLA's partitioner, as the plain
-      jitted gradient does: each micro-batch gathers the params as its
-      forward pass needs them (never the whole model before the loop), and
-      its gradients are reduce-scattered into an accumulator split as the
-      params. With `Auto` axes the params' sharding is not in their type:
-      `axis_name` there means params replicated over it, and sharded ones
-      would be gathered whole before the loop, so leave it out.
-
-    Without a sharded batch or `axis_name` the loop runs as it is (XLA
-    chooses; with an `Auto` batch sharding it reduces the gradients once per
-    micro-batch).
+    **Sharding:** with the batch sharded over a data axis (read from its
+    `Explicit` type, or named by `axis_name`), each device accumulates its
+    rows and the outputs are reduced across devices once, after the loop.
+    See docs/data_parallel.md, "`microbatched` on a sharded batch".
 
     **Arguments:**
 
     - `grad_fn`: the function to accumulate, e.g. `jax.grad(loss)` or
       `eqx.filter_value_and_grad(loss, has_aux=True)`. Its loss must be a
       mean over the batch's rows.
-    - `num_microbatches`: a positive int `k` dividing the batch size (times
-      the number of devices the batch is sharded over).
+    - `num_microbatches`: a positive int `k` dividing the batch size.
     - `batch_argnums`: the position (or positions) of the batch in
       `grad_fn`'s arguments; every leaf has the same leading size.
-    - `key_argnum`: the position of a PRNG key (e.g. for dropout), or None.
-      Micro-batch `j` gets `jax.random.split(key, k)[j]` (folded with the
-      device index inside `shard_map`), so dropout masks differ from those
-      of one call on the whole batch.
-    - `accumulator_dtype`: the least dtype floating outputs are accumulated
-      in, as in `MultiSteps`: each output accumulates in the least dtype
-      holding both its own and this one (an output wider than it keeps its
-      own dtype), a `TypeError` where neither holds the other (float8
-      kinds); `None` accumulates each output in its own dtype.
+    - `key_argnum`: the position of a PRNG key, or None. Micro-batch `j`
+      gets `jax.random.split(key, k)[j]`.
+    - `accumulator_dtype`: the least dtype floating outputs accumulate in,
+      as in `MultiSteps`; `None` accumulates each in its own dtype.
     - `axis_name`: the mesh axis (or tuple of axes) the batch is sharded
-      over, where it is not in the batch's type (see Sharding).
-    - `weight_fn`: None, or a function called like `grad_fn` (the batch cut
-      to one micro-batch, the same other arguments) that returns that
-      micro-batch's weight, a real scalar >= 0 (e.g.
-      `lambda params, batch: batch["mask"].sum()`). Floating outputs are
-      then the weighted mean, computed as `MultiSteps(weighted=True)` does
-      (a weighted running mean; a micro-batch of weight 0 is not read, so
-      its NaN loss does not spread); all weights 0 give zeros. Across
-      devices each device's weighted mean and weight go into the one
-      reduction after the loop, which divides by the summed weight. The
-      weights are traced: negative ones are not caught.
-    - `per_example`: `False` (the default), `True`, `"gradient"`, or a
-      pytree prefix of `grad_fn`'s output with such leaves: the outputs
-      marked `True` or `"gradient"` have a row per example of the
-      micro-batch (leading axis) and come back with a row per example of
-      the whole batch, in the batch's order, not combined; those marked
-      `"gradient"` scaled by their micro-batch's share of the batch (see
-      above). With a sharded batch they stay sharded like it.
-    - `num_real_microbatches`: None, or an int `n` (a traced one too, with
-      no recompilation): only the first `n` micro-batches run (rows whose
-      index mod `k` is below `n`, given the split above); the rest of the
-      batch is never read. A batch padded at its end is reordered first
-      (docs/multi_steps.md, "How `microbatched` splits the batch"). Means are over
-      the real micro-batches; per-example rows of the others are zeros. A
-      known value must be from 0 to `k`; a traced one is clipped to that
-      range.
+      over, where it is not in the batch's type.
+    - `weight_fn`: None, or a function called like `grad_fn` on one
+      micro-batch, returning its weight, a real scalar >= 0. Floating
+      outputs are then `sum_j w_j x_j / sum_j w_j`.
+    - `per_example`: `False`, `True`, `"gradient"`, or a pytree prefix of
+      `grad_fn`'s output with such leaves. Marked outputs have a row per
+      example and come back whole; `"gradient"` ones (a gradient with
+      respect to the batch) scaled by their micro-batch's share of it.
+    - `num_real_microbatches`: None, or an int `n` (traced too): only the
+      first `n` micro-batches run, and means are over them.
 
     **Returns:**
 
@@ -398,8 +289,7 @@ def microbatched(
 
 
 def _check_call(settings: LoopSettings, args: tuple) -> None:
-    """Raises where a call's arguments do not fit `settings`: too few
-    positional ones, a batch that does not split, or no PRNG key."""
+    """Raises where a call's arguments do not fit `settings`."""
     argnums, key_argnum = settings.batch_argnums, settings.key_argnum
     needed = max(argnums + ((key_argnum,) if key_argnum is not None else ()))
     if len(args) <= needed:
@@ -426,9 +316,8 @@ def _check_call(settings: LoopSettings, args: tuple) -> None:
 def _split_modules(
     settings: LoopSettings, args: tuple, kwargs: dict
 ) -> tuple[LoopSettings, tuple, dict]:
-    """Flax NNX modules among the arguments (not the batch or key) split
-    into pytrees for the loop, and `grad_fn` and `weight_fn` made to merge
-    them back (`_nnx_graph`); the call as it is where there are none."""
+    """NNX modules among the non-batch arguments split into pytrees, and the
+    functions made to merge them back (`_nnx_graph`)."""
     keep = set(settings.batch_argnums) | {settings.key_argnum}
     args, kwargs, found = split_graph_nodes(args, kwargs, keep)
     if not found:
