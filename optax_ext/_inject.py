@@ -1,23 +1,178 @@
 """`inject_hyperparams`: a drop-in for `optax.inject_hyperparams`.
 
-Which arguments become schedules, which are injected into
-`state.hyperparams`, and which are passed through unchanged is decided once,
-when the wrapped factory is called (`_inject_arguments.py`); the `init` and
-`update` built from them are `_injection.Injection`'s.
+The wrapped factory binds its arguments and sorts them (`classify`, rules 1
+to 7 of the docstring; rule 8 needs the params, and is
+`_injection.Injection._traceable`'s); the optimizer built from them is
+`_injection.Injection`.
 """
 
 from __future__ import annotations
 
+import collections.abc
+import difflib
 import functools
 import inspect
+import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
 import optax
 
-from ._inject_arguments import binding_hint, check_hyperparam_dtype
-from ._injection import Injection
+from ._injection import (
+    NUMBER_TYPES,
+    NUMERIC,
+    SCHEDULE,
+    STATEFUL,
+    STATIC,
+    ArgumentError,
+    Injection,
+    is_mask_name,
+)
+from ._static import snapshot
 from ._tree import describe_value
+
+
+def _callable_forms(annotation: Any) -> list[tuple[Any, ...]]:
+    """The argument lists of every `Callable[[...], ...]` inside `annotation`."""
+    found: list[tuple[Any, ...]] = []
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is collections.abc.Callable and args and isinstance(args[0], list):
+        found.append(tuple(args[0]))
+    for arg in args:
+        if not isinstance(arg, list):
+            found.extend(_callable_forms(arg))
+    return found
+
+
+def _takes_a_tree(tp: Any) -> bool:
+    """Whether a type admits containers (a params tree) rather than a number."""
+    if typing.get_origin(tp) in (
+        collections.abc.Iterable,
+        collections.abc.Mapping,
+        collections.abc.Sequence,
+        list,
+        dict,
+        tuple,
+    ):
+        return True
+    if tp is typing.Any:
+        return True
+    return any(_takes_a_tree(arg) for arg in typing.get_args(tp))
+
+
+def _annotation_rules_out_schedule(annotation: Any) -> bool:
+    """Rule 5: the annotation names `Callable`s, none taking one number."""
+    if annotation is inspect.Parameter.empty or isinstance(annotation, str):
+        return False
+    forms = _callable_forms(annotation)
+    if not forms:
+        return False
+    return not any(len(f) == 1 and not _takes_a_tree(f[0]) for f in forms)
+
+
+def _is_int(value: Any) -> bool:
+    """A Python or NumPy integer scalar (not a bool)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def _type_args(annotation: Any) -> list[Any]:
+    """Every type named inside an annotation (`Union` and generics unpacked)."""
+    found = [annotation]
+    for arg in typing.get_args(annotation):
+        if not isinstance(arg, list):
+            found.extend(_type_args(arg))
+    return found
+
+
+def _rejects_str(param: inspect.Parameter) -> bool:
+    """Whether the signature says `param` is a number or a schedule: its
+    annotation names neither `str` nor `Any`, or, without one, its default
+    is a number."""
+    annotation = param.annotation
+    if annotation is param.empty or isinstance(annotation, str):
+        default = param.default
+        return isinstance(default, (int, float)) and not isinstance(default, bool)
+    types = _type_args(annotation)  # a Literal's strings among them
+    return not any(
+        t is str or t is typing.Any or t is object or isinstance(t, str) for t in types
+    )
+
+
+def classify(name: str, value: Any, param: inspect.Parameter, static: set[str]) -> str:
+    """Rules 1 to 7 of `inject_hyperparams`' docstring, in order."""
+    if name in static or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+        return STATIC
+    if isinstance(value, str) and _rejects_str(param):
+        raise ArgumentError(
+            f"{name}={value!r} is a string, but the factory takes a number, an "
+            f"array or a schedule there (its annotation: {param.annotation}, its "
+            f"default: {param.default}). Pass a number, e.g. {name}=0.1, not "
+            "its text."
+        )
+    if value is None or isinstance(value, (bool, np.bool_, str, type, np.dtype)):
+        return STATIC
+    if isinstance(value, optax.schedules.StatefulSchedule):
+        return STATEFUL
+    if is_mask_name(name):
+        return STATIC
+    if callable(value):
+        if param.default is not param.empty and callable(param.default):
+            return STATIC
+        if _annotation_rules_out_schedule(param.annotation):
+            return STATIC
+        return SCHEDULE
+    if _is_int(value) and _is_int(param.default):
+        return STATIC
+    return NUMERIC if isinstance(value, NUMBER_TYPES) else STATIC
+
+
+def _check_hyperparam_dtype(dtype: Any) -> Any:
+    if dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError as error:
+        raise TypeError(
+            f"hyperparam_dtype must be a floating dtype such as jnp.float32 or "
+            f"None, got {dtype!r}."
+        ) from error
+    if not jnp.issubdtype(dtype, jnp.floating):
+        # optax casts every floating hyperparameter to it: learning_rate=0.1
+        # becomes 0 in int32, and the updates are silently zero.
+        raise ValueError(
+            f"hyperparam_dtype must be a floating dtype (it is applied to the "
+            f"floating hyperparameters, which {dtype} cannot hold: 0.1 would "
+            f"become {np.asarray(0.1).astype(dtype)!r}); got {dtype}. Use "
+            "e.g. jnp.float32, or None to keep each hyperparameter's dtype."
+        )
+    return dtype
+
+
+def _binding_hint(
+    error: TypeError, signature: inspect.Signature, kwargs: dict[str, Any], name: str
+) -> str:
+    """`error` from binding the factory's arguments, naming the keywords it
+    does not take and what they may stand for (a misspelt `learning_rate`
+    is otherwise reported as a missing one)."""
+    accepts_any = any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
+    )
+    unknown = [] if accepts_any else sorted(set(kwargs) - set(signature.parameters))
+    if not unknown:
+        return str(error)
+    hints = []
+    for given in unknown:
+        close = difflib.get_close_matches(given, list(signature.parameters), n=1)
+        hints.append(f"{given!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (
+        f"{name}: {error}. It takes no argument named {', '.join(hints)}; "
+        f"its arguments are {', '.join(signature.parameters)}."
+    )
 
 
 def inject_hyperparams(
@@ -33,74 +188,45 @@ def inject_hyperparams(
     are evaluated on the step count, and `jax.grad` with respect to
     `state.hyperparams["learning_rate"]` gives hypergradients.
 
-    **How each argument of the factory is treated** (first rule that applies):
+    **How each argument of the factory is treated** (first rule that applies;
+    details in docs/inject_hyperparams.md):
 
     1. named in `static_args`, or a `*args` / `**kwargs` entry: passed through;
     2. `None`, a bool, a string, or a dtype or other class: passed through;
     3. an `optax.schedules.StatefulSchedule`: a stateful schedule;
     4. a parameter named `mask` or ending in `_mask`: passed through, whether a
-       plain pytree, a callable pytree (an Equinox model), or a function
-       `params -> mask` (optax issue #1373);
-    5. any other callable is passed through when the factory's default for that
-       parameter is itself a callable (e.g. `optax.contrib.adopt`'s
-       `clip_value_fn`), or when the parameter's annotation names callables
-       but none that takes a single number (e.g. `Callable[[Params], Any]`);
-    6. any other callable is a schedule, called with the step count (a plain
-       function, an optax schedule, or a callable pytree such as an Equinox
-       module with `__call__`);
+       pytree, a callable pytree or a function `params -> mask` (optax #1373);
+    5. any other callable is passed through when the factory's default there
+       is a callable, or when the annotation names callables but none that
+       takes a single number (e.g. `Callable[[Params], Any]`);
+    6. any other callable is a schedule, called with the step count;
     7. a Python or NumPy int where the factory's default is an int (a size or
-       count, such as adafactor's `min_dim_size_to_factor` or muon's
-       `ns_steps`) is passed through, since the factory may use it in Python
-       control flow (optax issue #412);
+       count) is passed through (optax issue #412);
     8. any other number or array is injected into `state.hyperparams`, except
-       one the factory cannot take as a traced value: `init` traces the
-       factory's init and update abstractly and passes through each number
-       that raises a concretization error on its own (`scale_by_sm3` tests
-       `b2 != 1.0` in Python, `reduce_on_plateau` checks `factor`). Such a
-       number is absent from `state.hyperparams`.
+       one that raises a concretization error when traced on its own in an
+       abstract trial of the factory's init and update (`scale_by_sm3`'s
+       `b2`): that one is passed through, absent from `state.hyperparams`.
 
     To make an argument a schedule against rules 4-5, wrap it in a `lambda`;
     to pass one through against rules 6-8, name it in `static_args`.
 
-    **Numerics:** a numeric hyperparameter is stored in `state.hyperparams`
-    as a strongly typed array, in `hyperparam_dtype` if given, else in the
-    dtype of the value given (float32 for a Python float, float64 under x64;
-    an int given where the factory takes a float, by its default or its
-    annotation, as a float: `weight_decay=0`, `learning_rate=1`), so the
-    state's avals survive checkpoints. Where it is handed to the factory, a
-    hyperparameter given as a Python number or a weakly typed array, and
-    every schedule value, is made weakly typed, so it promotes as the Python
-    number would: with bfloat16 params `b2=0.999` is not rounded to bfloat16
-    (`1.0`) and the updates have the bare optimizer's dtype. The updates are
-    bit for bit those of the bare factory given each injected number rounded
-    to its stored dtype (`b2=float(np.float32(0.999))`). They
-    differ from the bare factory given the unrounded Python numbers where the
-    factory does arithmetic on hyperparameters in Python (float64): adam's
-    `1 - b2`. Name a hyperparameter in `static_args` to keep it a Python
-    number. `hyperparam_dtype`, if given, must be a floating dtype: floating
-    hyperparameters are stored and handed in it, strongly typed, as in optax;
-    as in optax too, one given as a strongly typed JAX array
-    (`jnp.float32(1e-3)`, or the value of an optax schedule) keeps its dtype.
-
-    **Errors**, each naming the argument: a number given as a string, a
-    non-floating `hyperparam_dtype` (at construction); a factory that does not
-    return a transformation, a schedule whose value is not a scalar number, a
-    mask that does not fit the params, a value given or written that its
-    storage dtype rounds to 0, 1 or infinity (`b2=0.999` in bfloat16: Adam's
-    updates would be NaN; a schedule's values are not checked) (at `init`,
-    or `update` where known); a name written into
-    `state.hyperparams` that is not injected (a `KeyError`), a float written
-    into an integer hyperparameter, a state built by another optimizer (a
-    `TypeError`), updates whose tree does not fit the params passed with
-    them (a `ValueError`, even for a factory that does not read the params:
-    optax's contract is one structure) (at `update`, while tracing).
+    **Numerics:** a numeric hyperparameter is stored as a strongly typed
+    array, in `hyperparam_dtype` if given (a strongly typed JAX array given
+    keeps its dtype, as in optax), else in the dtype of the value given; an
+    int where the factory takes a float is stored as a float. Handed to the
+    factory, one given as a Python number or weak array, and every schedule
+    value, is weakly typed, so it promotes as the Python number would. The
+    updates are bit for bit the bare factory's given each number rounded to
+    its stored dtype. A value that its dtype rounds to 0, 1 or infinity is
+    refused, as are names written into `state.hyperparams` that are not
+    injected; every error names the argument (list: the page's "Errors").
 
     **Arguments:**
 
     - `inner_factory`: a function returning an `optax.GradientTransformation`,
       e.g. `optax.adamw`.
     - `static_args`: names of parameters to pass through unchanged.
-    - `hyperparam_dtype`: optional dtype for floating hyperparameters.
+    - `hyperparam_dtype`: optional floating dtype for floating hyperparameters.
 
     **Returns:**
 
@@ -124,7 +250,7 @@ def inject_hyperparams(
             f"optax.GradientTransformation, such as optax.adam; got "
             f"{describe_value(inner_factory)}."
         )
-    hyperparam_dtype = check_hyperparam_dtype(hyperparam_dtype)
+    hyperparam_dtype = _check_hyperparam_dtype(hyperparam_dtype)
     static = {static_args} if isinstance(static_args, str) else set(static_args)
     try:  # resolve `from __future__ import annotations` strings if possible
         signature = inspect.signature(inner_factory, eval_str=True)
@@ -146,17 +272,18 @@ def inject_hyperparams(
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as error:
-            raise TypeError(
-                binding_hint(
-                    error,
-                    signature,
-                    kwargs,
-                    getattr(inner_factory, "__name__", repr(inner_factory)),
-                )
-            ) from None
+            name = getattr(inner_factory, "__name__", repr(inner_factory))
+            raise TypeError(_binding_hint(error, signature, kwargs, name)) from None
         bound.apply_defaults()
+        # Read once, here: a dict or list given as a mask and changed later
+        # changes neither this optimizer nor what it compares equal to.
+        arguments = {n: snapshot(v) for n, v in bound.arguments.items()}
+        kinds = {
+            n: classify(n, v, signature.parameters[n], static)
+            for n, v in arguments.items()
+        }
         injection = Injection(
-            inner_factory, signature, bound.arguments, static, hyperparam_dtype
+            inner_factory, signature, arguments, kinds, static, hyperparam_dtype
         )
         return injection.as_transformation()
 

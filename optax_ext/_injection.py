@@ -1,12 +1,15 @@
-"""The optimizer `inject_hyperparams(factory)(...)` returns: its arguments
-sorted by kind, the two forms of a numeric hyperparameter (stored in the
-state, handed to the factory), and the `init` and `update` built from them.
+"""The optimizer `inject_hyperparams(factory)(...)` returns: the two forms of
+a numeric hyperparameter (stored in the state, handed to the factory), rule
+8 of the argument rules (numbers the factory cannot take traced), and the
+`init` and `update` built from them.
 """
 
 from __future__ import annotations
 
 import inspect
 import numbers
+import types
+import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -15,23 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._inject_arguments import (
-    NUMERIC,
-    SCHEDULE,
-    STATEFUL,
-    STATIC,
-    ArgumentError,
-    ArgumentValueError,
-    called_as_function,
-    classify,
-    given_weak,
-    is_mask_name,
-    takes_a_float,
-)
 from ._leaves import inner_params, updates_for_inner, updates_for_params
 from ._records import avals_key
 from ._sharding import mirror_param_sharding
-from ._static import ConfigKey, Configured, config_key, snapshot
+from ._static import ConfigKey, Configured, config_key
 from ._transformations import with_extra_args
 from ._tree import (
     as_weak,
@@ -42,19 +32,59 @@ from ._tree import (
     saturating_increment,
 )
 
+STATIC, NUMERIC, SCHEDULE, STATEFUL = "static", "numeric", "schedule", "stateful"
+NUMBER_TYPES = (numbers.Number, np.ndarray, np.generic, jax.Array)
+
+
+class ArgumentError(TypeError):
+    """A bad argument, reported by us: rule 8's abstract trial lets it through."""
+
+
+class ArgumentValueError(ValueError):
+    """A bad argument value, reported by us (see `ArgumentError`)."""
+
+
+def is_mask_name(name: str) -> bool:
+    return name == "mask" or name.endswith("_mask")
+
+
+def _called_as_function(mask: Any) -> bool:
+    """Whether `optax.masked` calls `mask` with the params: every leaf is
+    callable (an Equinox model of bools is callable, but its leaves are not)."""
+    leaves = jax.tree.leaves(jax.tree.map(callable, mask))
+    return bool(leaves) and all(leaves)
+
+
+def _takes_a_float(param: inspect.Parameter) -> bool:
+    """Whether an int given for `param` is a float hyperparameter: its default
+    is a float, or its annotation names `float` but not `int`."""
+    if isinstance(param.default, float):
+        return True
+    annotation = param.annotation
+    if annotation is param.empty or isinstance(annotation, str):
+        return False
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    members = typing.get_args(annotation) if union else (annotation,)
+    return float in members and int not in members
+
+
+def _wider_hint(hyperparam_dtype: Any) -> str:
+    """The first words of `_check_kept`'s advice: how to store a wider value."""
+    if hyperparam_dtype is not None:
+        return (
+            "Store the hyperparameters in a wider dtype (a wider "
+            "hyperparam_dtype, or None to keep each value's own), name"
+        )
+    if not jax.config.jax_enable_x64:
+        return "Enable float64 (`jax.config.update('jax_enable_x64', True)`), name"
+    return "Name"
+
 
 class Injection(Configured):
     """One call of a wrapped factory: its arguments, sorted by kind, and the
-    `init` and `update` functions built from them. Two injections compare
-    equal when built from the same factory and equal arguments.
-
-    A numeric hyperparameter lives in two forms. In `state.hyperparams` it is
-    *stored* as a strongly typed array of a fixed dtype, so that the state's
-    avals survive a checkpoint round trip (serialisation forgets weak types:
-    a weak state would come back strong and retrace the train step). Where it
-    is *handed* to the factory, a hyperparameter given as a Python number (or
-    a weakly typed array, or a schedule returning one) is made weakly typed,
-    so that it promotes as the Python number given to the bare factory would.
+    `init` and `update` built from them; equal when built from the same
+    factory and equal arguments. Why a hyperparameter is stored strong and
+    handed weak: docs/inject_hyperparams.md, "Numerics".
     """
 
     def __init__(
@@ -62,28 +92,25 @@ class Injection(Configured):
         factory: Callable[..., optax.GradientTransformation],
         signature: inspect.Signature,
         arguments: dict[str, Any],
+        kinds: dict[str, str],
         static: set[str],
         dtype: Any,
     ):
         self.factory, self.signature, self.dtype = factory, signature, dtype
-        # Read once, here: a dict or list given as a mask and changed later
-        # changes neither this optimizer nor what it compares equal to.
-        arguments = {n: snapshot(v) for n, v in arguments.items()}
         self.arguments = dict(arguments)
-        kinds = {
-            n: classify(n, v, signature.parameters[n], static)
-            for n, v in arguments.items()
-        }
         self.passed = {n: v for n, v in arguments.items() if kinds[n] == STATIC}
         self.numeric = {n: v for n, v in arguments.items() if kinds[n] == NUMERIC}
-        self.weak = {n for n, v in self.numeric.items() if given_weak(v)}
+        self.weak = {
+            n
+            for n, v in self.numeric.items()
+            if type(v) in (int, float, complex) or is_weak(v)
+        }
         self.schedules = {
             n: v if kinds[n] == STATEFUL else optax.schedules.WrappedSchedule(v)
             for n, v in arguments.items()
             if kinds[n] in (SCHEDULE, STATEFUL)
         }
-        # `_traceable`'s answers by `avals_key` of the params (it traces the
-        # factory's init and update, once per kind of params).
+        # `_traceable`'s answers by `avals_key` of the params.
         self._traceable_names: dict[tuple, tuple[str, ...]] = {}
         self._key = (
             config_key(factory, dtype, tuple(sorted(static))),
@@ -112,12 +139,9 @@ class Injection(Configured):
 
     # -- the two forms of a hyperparameter ----------------------------------
 
-    def _storage_dtype(self, name: str, value: jax.Array, given: Any) -> Any:
-        """The dtype a hyperparameter is stored in: `hyperparam_dtype` for a
-        floating one if given, unless it was `given` as a strongly typed JAX
-        array (a `jnp.float32(...)`, what an optax schedule returns), which
-        keeps its dtype, as in optax; else the dtype of the value as given
-        (float32 for a Python float; float64 under x64)."""
+    def _storage_dtype(self, value: jax.Array, given: Any) -> Any:
+        """`hyperparam_dtype` for a floating value not given as a strong JAX
+        array (which keeps its dtype, as in optax); else `value`'s dtype."""
         strong_array = isinstance(given, jax.Array) and not is_weak(given)
         if (
             self.dtype is not None
@@ -128,13 +152,11 @@ class Injection(Configured):
         return value.dtype
 
     def _as_given(self, name: str, given: Any) -> jax.Array:
-        """A number given to the wrapped factory, as an array. An integer
-        given where the factory takes a float (`weight_decay=0` for adamw,
-        `learning_rate=1`: `takes_a_float`) is a float hyperparameter, as a
-        Python float would be, where that float holds it exactly."""
+        """`given` as an array; an int where the factory takes a float as the
+        float, where that holds it exactly."""
         value = jnp.asarray(given)
         if (
-            takes_a_float(self.signature.parameters[name])
+            _takes_a_float(self.signature.parameters[name])
             and jnp.issubdtype(value.dtype, jnp.integer)
             and value.dtype != jnp.bool_
         ):
@@ -146,11 +168,8 @@ class Injection(Configured):
     def _as_state_value(
         self, name: str, value: Any, dtype: Any, where: str, check: bool = True
     ) -> jax.Array:
-        """`value` as a strongly typed array of `dtype`; a cast to another
-        kind (a float into an int hyperparameter, a bool into a number) is
-        refused: it would change the value silently. So is another shape
-        than the value given to the factory (written into the state, it
-        would broadcast into the updates and the params)."""
+        """`value` as a strong array of `dtype`; refuses a cast to another
+        kind and another shape than the value given (both change it silently)."""
         given = f"the value given to {self._name}: {self.arguments.get(name)!r}"
         try:
             array = jnp.asarray(value)
@@ -188,11 +207,8 @@ class Injection(Configured):
         return jnp.asarray(array, dtype)  # strong: no weak type to lose
 
     def _check_kept(self, name: str, value: Any, dtype: Any, where: str) -> None:
-        """Refuses a known value that its storage `dtype` turns into 0 (from
-        nonzero), 1 (from a decay rate in (0, 1)) or infinity: Adam's
-        `b2=0.999` becomes 1.0 in bfloat16 and its update NaN, `eps=1e-8`
-        becomes 0 in float16. Other roundings are what the dtype asked
-        for. A traced value is not checked, nor a schedule's."""
+        """Refuses a known floating value that `dtype` rounds to 0 (from
+        nonzero), 1 (from within (0, 1)) or infinity."""
         if isinstance(value, jax.core.Tracer) or not jnp.issubdtype(
             dtype, jnp.floating
         ):
@@ -206,45 +222,24 @@ class Injection(Configured):
             (np.isfinite(wanted) & ~np.isfinite(stored), "infinity"),
         ):
             if np.any(lost):
-                if self.dtype is not None:
-                    wider = (
-                        "Store the hyperparameters in a wider dtype (a wider "
-                        "hyperparam_dtype, or None to keep each value's own), "
-                        "name"
-                    )
-                elif not jax.config.jax_enable_x64:
-                    wider = (
-                        "Enable float64 (`jax.config.update('jax_enable_x64', "
-                        "True)`), name"
-                    )
-                else:
-                    wider = "Name"
                 raise ArgumentValueError(
                     f"{where} holds {value!r}, which {jnp.dtype(dtype)} "
                     f"rounds to {becomes}: stored so, it would change what "
                     f"{self._name} computes (a decay rate of 1 averages "
-                    f"nothing, an eps of 0 divides by 0). {wider} {name} in "
+                    f"nothing, an eps of 0 divides by 0). "
+                    f"{_wider_hint(self.dtype)} {name} in "
                     f"static_args (handed to {self._name} as given), or give "
                     f"it a value that {jnp.dtype(dtype)} holds."
                 )
 
-    def _as_factory_argument(
-        self, name: str, stored: jax.Array, weak: bool
-    ) -> jax.Array:
-        """A stored hyperparameter as the factory receives it."""
+    def _as_factory_argument(self, stored: jax.Array, weak: bool) -> jax.Array:
         if self.dtype is not None and jnp.issubdtype(stored.dtype, jnp.floating):
             return stored  # hyperparam_dtype: strong, as optax hands it
         return as_weak(stored) if weak else stored
 
     def _schedule_value(self, name: str, schedule: Any, state: Any, **extra):
         value = schedule(state, **extra)
-        if (
-            value is None
-            or isinstance(value, str)
-            or not (
-                isinstance(value, (numbers.Number, np.ndarray, np.generic, jax.Array))
-            )
-        ):
+        if isinstance(value, str) or not isinstance(value, NUMBER_TYPES):
             raise ArgumentError(
                 f"The schedule given as {name} returned {describe_value(value)}; "
                 "a schedule must return a scalar number (a Python number or a "
@@ -261,9 +256,8 @@ class Injection(Configured):
                 f"The schedule given as {name} returned {describe_value(array)}; "
                 "a schedule must return a number (int, float or complex)."
             )
-        return self._as_state_value(
-            name, array, self._storage_dtype(name, array, value), name, check=False
-        )
+        dtype = self._storage_dtype(array, value)
+        return self._as_state_value(name, array, dtype, name, check=False)
 
     def _hyperparams(
         self,
@@ -272,38 +266,27 @@ class Injection(Configured):
         where: str,
         **extra_args: Any,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The stored and the handed form of every injected hyperparameter.
-
-        Only the names in `numeric` are injected: `init` leaves out those the
-        factory cannot take traced (see `_traceable`), and `update` follows
-        the state.
-        """
+        """The stored and the handed form of every injected hyperparameter
+        (of the numeric ones, those named in `numeric`)."""
         stored, handed = {}, {}
         for n, given in self.numeric.items():
             if n not in numeric:
                 continue
-            dtype = self._storage_dtype(n, self._as_given(n, given), given)
+            dtype = self._storage_dtype(self._as_given(n, given), given)
             stored[n] = self._as_state_value(n, numeric[n], dtype, f"{where}[{n!r}]")
-            handed[n] = self._as_factory_argument(n, stored[n], n in self.weak)
+            handed[n] = self._as_factory_argument(stored[n], n in self.weak)
         for n, schedule in self.schedules.items():
             stored[n] = self._schedule_value(
                 n, schedule, schedule_states[n], **extra_args
             )
             # Always weak: the bare factory casts a schedule's value to each
             # update's dtype (`optax.scale_by_schedule`), as a weak value is.
-            handed[n] = self._as_factory_argument(n, stored[n], weak=True)
+            handed[n] = self._as_factory_argument(stored[n], weak=True)
         return stored, handed
 
     def _traceable(self, params: Any) -> dict[str, Any]:
-        """The numeric hyperparameters the factory accepts as traced values.
-
-        Some factories branch on a number in Python (`reduce_on_plateau`
-        checks `factor` at construction, `scale_by_sm3` tests `b2 != 1.0` in
-        its update). Injected, such a number is a tracer and the branch
-        raises. This traces one init and update abstractly (no computation)
-        and leaves out, as passed through unchanged, every name that raises a
-        concretization error when traced alone.
-        """
+        """Rule 8: the numeric hyperparameters the factory takes traced, by an
+        abstract trial of its init and update; cached by the params' avals."""
 
         def trial(names: Iterable[str]) -> bool:
             def run(numeric):
@@ -323,23 +306,23 @@ class Injection(Configured):
             return True
 
         key = avals_key(params)
-        if key is not None and key in self._traceable_names:  # decided before
-            return {n: self.numeric[n] for n in self._traceable_names[key]}
-        schedule_states = {n: s.init() for n, s in self.schedules.items()}
-        if not self.numeric or trial(self.numeric) or not trial(()):
-            # All pass; or the trace fails with every number known (a
-            # schedule that branches in Python, which runs eagerly only):
-            # then no number is the cause, and none is kept static.
-            traceable = dict(self.numeric)
-        else:
-            traceable = {n: v for n, v in self.numeric.items() if trial([n])}
-        if key is not None:
-            self._traceable_names[key] = tuple(traceable)
-        return traceable
+        names = None if key is None else self._traceable_names.get(key)
+        if names is None:
+            schedule_states = {n: s.init() for n, s in self.schedules.items()}
+            if not self.numeric or trial(self.numeric) or not trial(()):
+                # All pass; or the trace fails with every number known (a
+                # schedule that branches in Python): then no number is the
+                # cause, and none is kept static.
+                names = tuple(self.numeric)
+            else:
+                names = tuple(n for n in self.numeric if trial([n]))
+            if key is not None:
+                self._traceable_names[key] = names
+        return {n: self.numeric[n] for n in names}
 
     def _check_masks(self, params: Any) -> None:
-        """A mask argument must fit the params (optax.masked would fail deep
-        inside the factory's init, naming neither the mask nor the params)."""
+        """A mask argument must fit the params (`optax.masked` would fail deep
+        in the factory's init, naming neither)."""
         if not jax.tree.leaves(params):
             # Nothing to mask; `optax.tree_utils.tree_map_params` calls
             # `init` on a tree with no leaves, which `optax.masked` accepts.
@@ -347,7 +330,7 @@ class Injection(Configured):
         for name, mask in self.passed.items():
             if not is_mask_name(name) or mask is None:
                 continue
-            tree = mask(params) if called_as_function(mask) else mask
+            tree = mask(params) if _called_as_function(mask) else mask
             try:
                 jax.tree.map(lambda m, *_: m, tree, params)
             except (ValueError, TypeError) as error:
@@ -360,10 +343,8 @@ class Injection(Configured):
                 ) from None
 
     def _check_names(self, hyperparams: Any, params: Any) -> None:
-        """A name written into `state.hyperparams` that is not injected would
-        be ignored silently (optax ignores it): refuse it. So is a number the
-        factory branches on in Python (`_traceable`, asked of `params` as
-        `init` asks it)."""
+        """Refuses a name written into `state.hyperparams` that is not injected
+        (optax ignores it silently), or a number rule 8 keeps static."""
         unknown = sorted(set(hyperparams) - set(self.numeric) - set(self.schedules))
         written = set(hyperparams) & set(self.numeric)
         untraceable = written - set(self._traceable(params)) if written else set()
@@ -371,8 +352,7 @@ class Injection(Configured):
         if not (unknown or written_untraceable):
             return
         injected = (set(self.numeric) - untraceable) | set(self.schedules)
-        missing = sorted(injected - set(hyperparams))
-        if unknown and missing:
+        if unknown and injected - set(hyperparams):
             raise TypeError(
                 f"inject_hyperparams({self._name}).update's `state` was not "
                 f"built by this optimizer: its hyperparams are "
@@ -449,11 +429,10 @@ class Injection(Configured):
         new_updates, inner_state = self._build(handed).update(
             filled, state.inner_state, given_params, **extra_args
         )
-        count = saturating_increment(state.count)
         return updates_for_params(
             updates, new_updates, params
         ), optax.InjectStatefulHyperparamsState(
-            count=count.astype(jnp.int32),
+            count=saturating_increment(state.count).astype(jnp.int32),
             hyperparams=stored,
             hyperparams_states=schedule_states,
             inner_state=inner_state,
