@@ -1,17 +1,7 @@
 """Which leaves of params and updates the transformations act on: one
-vocabulary of leaf kinds, and the filters and gap fillers built on it.
-
-- a *differentiated* leaf: a floating or complex array, what
-  `eqx.filter_grad` gives a gradient (`is_differentiated`);
-- an *optimised* leaf: a differentiated one or a Python `float` or
-  `complex`, what optax keeps optimizer state for (`is_optimised`);
-- a *passive* leaf: any other leaf but `None` (integer, bool and key arrays,
-  Python `int`s, functions): no state, a zero or `None` update
-  (`is_passive`);
-- an *integer* leaf: an integer array (not bool, not a key) or a Python
-  `int`, which `optax.MultiSteps` accumulates too (`is_integer`);
-- a *weak number*: a Python `float` or `complex`, or a weakly typed
-  floating array, what `jax.jit` makes of a Python float (`is_weak_number`).
+vocabulary of leaf kinds (differentiated, optimised, passive, integer, weak
+number: the table in docs/design.md, "Which leaves are acted on"), and the
+filters and gap fillers built on it.
 """
 
 from __future__ import annotations
@@ -46,9 +36,8 @@ def _is_python_inexact(x: Any) -> bool:
 
 
 def is_optimised(x: Any) -> bool:
-    """A differentiated leaf or a Python `float` or `complex`: `jax.grad`
-    gives the number a gradient and optax keeps state for it
-    (`optax.adam(...).init({"s": 0.5})` has a moment for `s`)."""
+    """A differentiated leaf or a Python `float` or `complex` (optax keeps
+    state for it)."""
     return is_differentiated(x) or _is_python_inexact(x)
 
 
@@ -58,8 +47,7 @@ def is_passive(x: Any) -> bool:
 
 
 def is_integer(x: Any) -> bool:
-    """An integer array (not `bool`, not a PRNG key) or a Python `int` (not
-    `bool`)."""
+    """An integer array (not bool, not a key) or a Python `int` (not bool)."""
     if isinstance(x, bool):
         return False
     if isinstance(x, int):
@@ -74,8 +62,7 @@ def is_integer(x: Any) -> bool:
 
 
 def is_weak_number(x: Any) -> bool:
-    """A Python `float` or `complex`, or a weakly typed floating (or
-    complex) array."""
+    """A Python `float` or `complex`, or a weakly typed inexact array."""
     return _is_python_inexact(x) or (
         is_differentiated(x) and bool(getattr(x, "weak_type", False))
     )
@@ -87,17 +74,12 @@ def _keep(tree: PyTree, kind: Any) -> PyTree:
 
 
 def differentiated(tree: PyTree) -> PyTree:
-    """The differentiated leaves of `tree`, `None` elsewhere: the leaves
-    `eqx.filter_grad` gives a gradient, and `eqx.apply_updates` skips a
-    `None` update. A state built from a whole Equinox model holds `None` at
-    the same places, or `jnp.zeros_like(jax.nn.relu)` raises (equinox issue
-    #590)."""
+    """The differentiated leaves of `tree`, `None` elsewhere (equinox #590)."""
     return _keep(tree, is_differentiated)
 
 
 def optimised(tree: PyTree) -> PyTree:
-    """The optimised leaves of `tree`, `None` elsewhere, as optax keeps
-    state."""
+    """The optimised leaves of `tree`, `None` elsewhere."""
     return _keep(tree, is_optimised)
 
 
@@ -106,11 +88,8 @@ def _is_module(x: Any) -> bool:
 
 
 def accumulated(tree: PyTree) -> PyTree:
-    """The leaves `optax_ext.MultiSteps` accumulates gradients for, `None`
-    elsewhere. Inside an `equinox.Module` the optimised leaves, so a model's
-    integer buffers, keys and functions hold `None`, as `eqx.filter_grad`
-    gives them; elsewhere (dicts, lists, tuples, a bare array) integer leaves
-    too, as `optax.MultiSteps` accumulates integer gradients."""
+    """The leaves `MultiSteps` accumulates, `None` elsewhere: optimised ones
+    inside an `eqx.Module`, integer ones too elsewhere (as optax does)."""
 
     def keep(x: Any) -> Any:
         if _is_module(x):
@@ -125,28 +104,16 @@ def _strong(x: Any) -> jax.Array:
 
 
 def inner_params(params: PyTree) -> PyTree:
-    """`optimised(params)` with each weak number made a strongly typed array
-    of its dtype: the params an inner optimizer is given.
-
-    Its state for such a leaf is then strongly typed from `init` on. Built
-    from the Python number itself, a moment is weakly typed at `init` and
-    comes back strong from `update` (`optax.adam`'s second moment does), so
-    a jitted train step holding it compiles twice (an Equinox model's
-    `Dropout.p`). The values are the same either way.
-    """
+    """`optimised(params)` with each weak number made strong: the params an
+    inner optimizer is given (its state then keeps its avals)."""
     return jax.tree.map(
         lambda x: _strong(x) if is_weak_number(x) else x, optimised(params)
     )
 
 
 def updates_for_inner(updates: PyTree, params: PyTree) -> PyTree:
-    """`updates` aligned with `inner_params(params)`, for `params` as the
-    caller was given them: `None` where the param is passive (no state is
-    kept for it); where the param is a weak number, the update as a strongly
-    typed array, a zero where it is `None` (`eqx.filter_grad` gives a
-    model's `float` field no gradient, optax a state entry). The caller puts
-    back what it was given with `updates_for_params`. Trees that do not line
-    up are returned unchanged, for the inner optimizer to judge."""
+    """`updates` aligned with `inner_params(params)` (undone by
+    `updates_for_params`); trees that do not line up come back unchanged."""
     if params is None:
         return updates
 
@@ -166,10 +133,8 @@ def updates_for_inner(updates: PyTree, params: PyTree) -> PyTree:
 
 
 def updates_for_params(original: PyTree, new: PyTree, params: PyTree) -> PyTree:
-    """The inner optimizer's `new` updates (of `updates_for_inner`) for the
-    params: `None` where `original` (the incoming updates) had it, and a zero
-    in the dtype of the update given where the param is passive (it stays
-    as it is)."""
+    """The inner optimizer's `new` updates back for the params: `None` where
+    `original` had it, zeros where the param is passive."""
     if params is None:
         return restore_none(original, new)
 
@@ -188,12 +153,9 @@ def updates_for_params(original: PyTree, new: PyTree, params: PyTree) -> PyTree:
 
 
 def zeros_where_undifferentiated(updates: PyTree, params: PyTree) -> PyTree:
-    """`updates` with a zero where it holds `None` and `params` (as given by
-    `accumulated`) a leaf that is not differentiated: a Python number or an
-    integer array, which `eqx.filter_grad` gives no gradient but optax keeps
-    state for. The caller puts the `None` back with `restore_none`. Trees
-    that do not line up are returned unchanged, for the caller's structure
-    check to report."""
+    """`updates` with zeros where a `None` meets an accumulated leaf that is not
+    differentiated (undone by `restore_none`); trees that do not line up
+    come back unchanged."""
     if params is None:
         return updates
 

@@ -1,7 +1,6 @@
-"""What an inner optimizer's `init` builds, recorded without running it:
-the tree and each leaf's (shape, dtype, weak type) of its state, traced
-abstractly from the params' avals and cached by them. The wrappers check a
-state against the record and return it with init's weak types.
+"""What an inner `init` builds (the state's tree and leaf avals), traced
+abstractly and cached by the params' avals; the state check against it and
+`strong_as_recorded` (why: docs/design.md, "Guarantees").
 """
 
 from __future__ import annotations
@@ -17,18 +16,15 @@ from ._tree import is_weak
 
 
 def avals_key(tree: Any) -> tuple | None:
-    """A hashable key of what tracing a function of `tree` depends on: its
-    structure and each leaf's shape, dtype and weak type (Python numbers
-    count as weakly typed); `None` where a leaf is not an array or number."""
+    """`tree`'s structure and leaf avals, hashable; `None` where a leaf is not
+    an array or number."""
     treedef, avals = state_record(tree)
     return None if any(aval is None for aval in avals) else (treedef, avals)
 
 
 def state_record(state: PyTree) -> tuple[Any, tuple]:
     """A tree's structure and each leaf's (shape, dtype, weak type), `None`
-    for a leaf without a dtype (Python numbers count as weakly typed): of
-    the state an `init` called on real params built, for
-    `strong_as_recorded`, and the parts of `avals_key`."""
+    for a leaf without a dtype (Python numbers count as weak)."""
     leaves, treedef = jax.tree.flatten(state)
     avals = []
     for x in leaves:
@@ -46,16 +42,9 @@ def state_record(state: PyTree) -> tuple[Any, tuple]:
 def traced_state_record(
     init: Any, template: PyTree, known: dict, *, is_params: bool
 ) -> tuple[Any, tuple | None] | None:
-    """The `state_record` of what `init` builds from params like `template`,
-    traced abstractly: with each leaf's avals where `is_params` (`template`
-    is what `init` is given), the structure alone (`(treedef, None)`) where
-    it stands in for them (the accumulator, say: its dtypes need not be the
-    params'); `None` where `init` cannot be traced without real params.
-
-    `known` caches the answers by `avals_key` of `template`; `init` fills
-    it with the same call, so the step traces no inner init for params
-    `init` has seen, and an optimizer that never ran `init` computes the
-    same record."""
+    """`state_record` of `init(template)`, traced abstractly and cached in
+    `known`: the structure alone unless `is_params`; `None` where `init`
+    needs real params."""
     key = avals_key(template)
     key = None if key is None else (is_params, key)
     if key is not None and key in known:
@@ -82,10 +71,8 @@ def check_state_structure(
     state_name: str,
     owner: str,
 ) -> tuple[Any, tuple | None] | None:
-    """Raises a `TypeError` if `state` is not shaped like what `init` builds
-    from params shaped like `template` (another optimizer's state was
-    passed). Returns `traced_state_record`'s record, for
-    `strong_as_recorded`."""
+    """Raises a `TypeError` where `state` does not have the tree `init` builds
+    from `template`; returns the record."""
     record = traced_state_record(init, template, known, is_params=is_params)
     if record is None:
         return None
@@ -103,14 +90,8 @@ def check_state_structure(
 def strong_as_recorded(
     state: PyTree, record: tuple[Any, tuple | None] | None
 ) -> PyTree:
-    """`state` with each weakly typed leaf made strong where `init` built it
-    strong with the same shape and dtype (`record`, from `state_record`): a
-    value written into the state as `jnp.asarray(1e-2)` where init stored a
-    float32 array, which a conditional returning the state as it came in
-    would keep weak for good. Applied to the state a step returns, not to
-    the one the inner optimizer reads (which sees what was written, as it
-    would unwrapped). The value is unchanged; other leaves, and every leaf
-    where `record` holds no avals, are returned as they are."""
+    """`state` with each weak leaf made strong where `record` has it strong
+    with the same shape and dtype; for the state a step returns."""
     if record is None or record[1] is None:
         return state
     leaves, treedef = jax.tree.flatten(state)

@@ -1,23 +1,6 @@
-"""State leaves that mirror a param get that param's sharding.
-
-An optimizer's `init` builds its moments with `jnp.zeros_like(param)` (or, as
-`MultiSteps` needs for its accumulator, `jnp.zeros(shape, dtype)`). Under
-`jax.jit` those zeros carry no sharding of their own:
-
-- with `Explicit` mesh axes (the default of `jax.make_mesh` since jax 0.7)
-  the sharding is part of the type: `zeros_like` keeps it, `zeros(shape)`
-  gives a replicated array;
-- with `Auto` axes, or sharded arrays and no mesh set, the sharding of a
-  traced param is unknown while tracing, and XLA replicates a constant that
-  depends on no input: `jax.jit(optax.adam(1e-3).init)` returns replicated
-  moments for sharded params, one full copy per device.
-
-`mirror_param_sharding` fixes both without asking the user for shardings.
-With the sharding in the type it calls `jax.sharding.reshard`. Without it,
-it adds to the leaf an exact zero computed elementwise from the param; XLA's
-sharding propagation then gives the leaf the param's layout, as it would an
-elementwise function of the param. This runs once, in `init`, and only when
-the process has several devices.
+"""Shardings and mesh axes: state leaves that mirror a param get its
+sharding (why and how: docs/data_parallel.md, "Sharded state that mirrors
+the params"), and the mesh-axis helpers of the `axis_name` forms.
 """
 
 from __future__ import annotations
@@ -52,13 +35,8 @@ def typed_sharding(x: Any) -> Any:
 
 
 def _exact_zero_like(param: jax.Array, dtype: Any) -> jax.Array:
-    """Zeros of `dtype` with `param`'s shape, computed elementwise from `param`.
-
-    `param != param` is a bool; converted and multiplied by zero it is `+0`
-    for every entry (no NaN from `nan * 0`, no `-0` from a negative param).
-    XLA does not fold a floating-point multiply by zero, so the dependence
-    on the param survives until sharding propagation.
-    """
+    """`+0` of `dtype` per entry of `param`, computed from it: XLA does not
+    fold a float multiply by zero, so sharding propagation sees the param."""
     float_dtype = param.dtype if jnp.issubdtype(param.dtype, jnp.floating) else None
     flag = (param != param).astype(float_dtype or jnp.float32)
     return (flag * 0).astype(dtype)
@@ -84,9 +62,8 @@ def _mirror_leaf(leaf: Any, param: Any) -> Any:
 
 
 def mirror_param_sharding(state: PyTree, params: PyTree) -> PyTree:
-    """Gives every subtree of `state` that has the structure of `params` (a
-    `None` or `optax.MaskedNode` standing for a missing leaf) the params'
-    shardings, leaf by leaf, where a state leaf has its param's shape."""
+    """Each subtree of `state` shaped like `params` (holes allowed) with the
+    params' shardings, where a leaf has its param's shape."""
     skeleton = jax.tree.structure(params, is_leaf=_is_hole)
     if skeleton.num_leaves == 0:
         return state
@@ -106,8 +83,7 @@ def mirror_param_sharding(state: PyTree, params: PyTree) -> PyTree:
 
 
 def zeros_like_struct(struct: Any, dtype: Any = None) -> jax.Array:
-    """Zeros with the shape, dtype (or `dtype`) and, where it is part of the
-    type (`Explicit` mesh axes), the sharding of a `jax.ShapeDtypeStruct`."""
+    """Zeros like a `jax.ShapeDtypeStruct`, its typed sharding included."""
     dtype = struct.dtype if dtype is None else dtype
     if sharded_type(struct):
         return jnp.zeros(struct.shape, dtype, out_sharding=struct.sharding)
@@ -115,8 +91,7 @@ def zeros_like_struct(struct: Any, dtype: Any = None) -> jax.Array:
 
 
 def shards_over(tree: PyTree, axes: Any) -> bool:
-    """Whether a leaf of `tree` is split, in its type, over one of the mesh
-    axes `axes` (a name or a tuple of names)."""
+    """Whether a leaf of `tree` is split, in its type, over one of `axes`."""
     names = set(axis_names(axes))
     for x in jax.tree.leaves(tree):
         sharding = typed_sharding(x)
@@ -128,9 +103,8 @@ def shards_over(tree: PyTree, axes: Any) -> bool:
 
 
 def split_leading(x: jax.Array, k: int) -> jax.Array:
-    """`x` with its leading axis of `n` rows reshaped to `(n // k, k)`: row
-    `a * k + j` at `[a, j]`. A leading axis split in `x`'s type stays split
-    in the first of the two (JAX asks for that sharding explicitly)."""
+    """`x`'s leading axis reshaped to `(n // k, k)` (row `a * k + j` at
+    `[a, j]`), a typed split kept on the first."""
     shape = (x.shape[0] // k, k, *x.shape[1:])
     sharding = typed_sharding(x)
     if sharding is None:
@@ -142,15 +116,14 @@ def split_leading(x: jax.Array, k: int) -> jax.Array:
 
 
 def sharded_type(struct: Any) -> bool:
-    """Whether a `jax.ShapeDtypeStruct`'s sharding names a mesh axis (part of
-    its type on `Explicit` axes)."""
+    """Whether a `jax.ShapeDtypeStruct`'s sharding names a mesh axis."""
     spec = getattr(getattr(struct, "sharding", None), "spec", None)
     return spec is not None and any(axis is not None for axis in spec)
 
 
 def varying_axes(x: Any) -> frozenset | None:
-    """The mesh axes along which `x` may differ between devices inside
-    `jax.shard_map` (its type's `vma`); None where the type does not say."""
+    """The mesh axes `x` may differ along inside `jax.shard_map` (its type's
+    `vma`); None where the type does not say."""
     return aval_varying_axes(jax.typeof(x))
 
 
@@ -163,40 +136,33 @@ def aval_varying_axes(aval: Any) -> frozenset | None:
 
 
 def summed_axes(axes: frozenset, like_axes: frozenset, names: tuple) -> tuple:
-    """Those of the mesh axes `names` that a value varying over `like_axes`
-    (its accumulator) varies over and one varying over `axes` does not:
-    that one is the same on every device there, as `jax.grad` with respect
-    to a replicated value makes it (it sums over the devices)."""
+    """The axes of `names` in `like_axes` but not in `axes`: where a value is
+    the same on every device, as `jax.grad` of a replicated one sums it."""
     return tuple(n for n in names if n in like_axes and n not in axes)
 
 
 def axis_names(axes: Any) -> tuple:
-    """Mesh axis names as a tuple: `axes` is one name or a tuple of them
-    (as `axis_name` arguments and `PartitionSpec` entries are)."""
+    """One mesh axis name or a tuple of them, as a tuple."""
     return tuple(axes) if isinstance(axes, tuple) else (axes,)
 
 
 def manual_axes(names: tuple) -> tuple:
-    """Those of the mesh axes `names` that are bound here by `jax.shard_map`
-    (`Manual` in the abstract mesh): the only axes a value can be typed as
-    varying over. A `jax.vmap` axis is bound but not one of them."""
+    """The axes of `names` bound here by `jax.shard_map` (`Manual`; not a
+    `jax.vmap` axis): the only ones a value can vary over."""
     mesh = jax.sharding.get_abstract_mesh()
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     return tuple(n for n in names if types.get(n) == jax.sharding.AxisType.Manual)
 
 
 def cast_varying(x: jax.Array, axes: tuple) -> jax.Array:
-    """`x` typed as differing across the mesh axes `axes` inside
-    `jax.shard_map` (`jax.lax.pcast(..., to="varying")`, which jax 0.8 calls
-    `jax.lax.pvary`)."""
+    """`x` typed as varying over `axes` (`pcast`; `pvary` before jax 0.9)."""
     if hasattr(jax.lax, "pcast"):
         return jax.lax.pcast(x, axes, to="varying")
     return jax.lax.pvary(x, axes)  # pyright: ignore[reportAttributeAccessIssue]  # jax < 0.9
 
 
 def varying_call(name: Any) -> str:
-    """How the user writes `cast_varying` of params over the axis `name`
-    with the installed JAX (for error messages)."""
+    """`cast_varying` of params as the user writes it (for messages)."""
     if hasattr(jax.lax, "pcast"):
         return f"jax.lax.pcast(params, {name!r}, to='varying')"
     return f"jax.lax.pvary(params, {name!r})"

@@ -1,13 +1,8 @@
 """Equality and hashing by configuration, so that a jitted step taking an
-optimizer as a static argument does not recompile for an equal optimizer.
-
-optax transformations are closures: two `optax.adam(1e-3)` are unequal and
-hash differently (optax issues #197, #353, #577; equinox #940). The
-transformations of this package compare equal when they were built from
-equal configurations, where "equal" means "builds the same program for the
-same inputs": only immutable, concrete values are compared by value; a
-traced value (any tracer: jit, grad, vmap, linearize) is compared by
-identity and never read.
+optimizer as a static argument does not recompile for an equal one (optax's
+closures never compare equal: optax #197, #353, #577; equinox #940). Equal
+means "builds the same program": only immutable, concrete values are
+compared by value, a tracer by identity (docs/design.md, "Guarantees").
 """
 
 from __future__ import annotations
@@ -30,11 +25,8 @@ class _ByIdentity(Exception):
 
 
 def _array_key(x: np.ndarray | np.generic | jax.Array) -> tuple:
-    """A concrete scalar array (or a single typed PRNG key) by its kind
-    (NumPy or JAX), dtype, weak type and bits. A writeable NumPy array can
-    change after the optimizer was built, and a larger array is compared by
-    identity, as is one whose value cannot be read here (deleted, or not
-    addressable from this process)."""
+    """A concrete 0-d array (or typed key) by kind, dtype, weak type and bits;
+    `_ByIdentity` for a writeable, larger or unreadable one."""
     kind = "jax" if isinstance(x, jax.Array) else "numpy"
     if np.ndim(x) != 0 or (isinstance(x, np.ndarray) and x.flags.writeable):
         raise _ByIdentity
@@ -50,9 +42,8 @@ def _array_key(x: np.ndarray | np.generic | jax.Array) -> tuple:
 
 
 def _leaf_key(leaf: Any) -> tuple:
-    """What a configuration leaf is compared by; `_ByIdentity` where it is
-    not compared by value. Python numbers carry their type (1, 1.0 and True
-    differ), floats their bits (NaN equals NaN, 0.0 differs from -0.0)."""
+    """What a configuration leaf is compared by (numbers by type and bits);
+    `_ByIdentity` where it is not compared by value."""
     if isinstance(leaf, jax.core.Tracer):
         raise _ByIdentity
     kind = type(leaf)
@@ -70,9 +61,8 @@ def _leaf_key(leaf: Any) -> tuple:
 
 
 class _Same:
-    """A leaf compared by identity inside a value compared by its contents:
-    equal to a `_Same` of the same object, hashed by its `id` (the
-    `ConfigKey` holding it keeps the object alive)."""
+    """A leaf compared by identity inside a value compared by its contents
+    (the `ConfigKey` holding it keeps the object alive for its `id`)."""
 
     __slots__ = ("leaf",)
 
@@ -87,12 +77,8 @@ class _Same:
 
 
 def _by_value(value: Any) -> tuple | None:
-    """A hashable stand-in for `value` that equal configurations share: its
-    pytree structure and, per leaf, `_leaf_key` or, for a leaf compared by
-    identity, the leaf itself (`_Same`). Two containers built apart around
-    the same writeable array or tracer compare equal; a container that
-    cannot be flattened, or whose structure does not hash, gives `None`:
-    the whole value is compared by identity."""
+    """A hashable stand-in for `value`: its structure and each leaf's
+    `_leaf_key` (or `_Same`); `None` where it cannot be flattened or hashed."""
     try:
         leaves, treedef = jax.tree.flatten(value)
     except Exception:  # noqa: BLE001 - a node that cannot be flattened
@@ -112,10 +98,8 @@ def _by_value(value: Any) -> tuple | None:
 
 
 def snapshot(value: Any) -> Any:
-    """`value` with its containers (dicts, lists, tuples, Equinox modules)
-    rebuilt around the same leaves: what an optimizer keeps of an argument,
-    so that changing the caller's dict later changes neither what it does
-    nor what it compares equal to."""
+    """`value` with its containers rebuilt around the same leaves, so that a
+    caller's dict changed later does not change the optimizer."""
     try:
         return jax.tree.map(lambda leaf: leaf, value)
     except Exception:  # noqa: BLE001 - a node that cannot be rebuilt
@@ -123,8 +107,7 @@ def snapshot(value: Any) -> Any:
 
 
 class ConfigKey:
-    """Wraps one configuration value: equal by value where `_by_value` gives
-    it a stand-in, by identity otherwise. Equal keys hash equal."""
+    """One configuration value: equal by `_by_value`, else by identity."""
 
     __slots__ = ("_hash", "_key", "value")
 
@@ -166,20 +149,13 @@ class Method:
 
     @property
     def __signature__(self) -> inspect.Signature:
-        """The method's own, for `jax.jit(..., donate_argnames=)` and
-        `static_argnames`, which map names to positions through it."""
+        """The method's own, for `jax.jit`'s `donate_argnames=`."""
         return inspect.signature(getattr(self.owner, self.name))
 
 
 class Configured:
-    """Equality and hashing by configuration, and the optax protocol.
-
-    A subclass sets `self._key` (a tuple built with `config_key`) in its
-    `__init__`; two instances of the same class compare and hash equal when
-    their keys do. `as_transformation()` wraps its `init` and `update` as an
-    `optax.GradientTransformationExtraArgs` whose functions compare equal
-    when the instances do.
-    """
+    """Equal and hashed by `self._key` (set in `__init__` with `config_key`);
+    `as_transformation()` gives the optax protocol, equal when they are."""
 
     _key: tuple
 
