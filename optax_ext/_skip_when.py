@@ -28,8 +28,7 @@ from ._tree import check_updates_fit_params, describe_value
 
 
 def _run(skip: jax.Array) -> Any:
-    """Whether the inner optimizer runs: a Python bool where `skip` is
-    known while tracing (then no conditional is built)."""
+    """Whether the inner optimizer runs; a Python bool where `skip` is known."""
     known = known_bool(skip)
     return jnp.logical_not(skip) if known is None else not known
 
@@ -64,8 +63,7 @@ class _SkipWhen(Configured):
         check_updates_fit_params(updates, params, "skip_when.update")
         filled = updates_for_inner(updates, params)
         given_params = None if params is None else inner_params(params)
-        # What init built the state from: the params where given (then a
-        # state that does not fit is the state's fault, not the updates').
+        # Checked against the params where given: a misfit is the state's.
         record = self._check_state(
             state,
             filled if given_params is None else given_params,
@@ -90,8 +88,7 @@ class _SkipWhen(Configured):
         params: optax.Params,
         **extra_args: Any,
     ) -> tuple[optax.Params, optax.OptState]:
-        """`update` and applying it to `params`, fused: a skipped step
-        returns `params` as they came in (see `optax_ext.apply_gradients`)."""
+        """`update` and `apply_updates`, fused: a skipped step returns `params`."""
         skip = self._skip(extra_args)
         check_updates_fit_params(grads, params, "optax_ext.apply_gradients", "grads")
         record = self._check_state(
@@ -101,12 +98,8 @@ class _SkipWhen(Configured):
             "opt_state",
             is_params=True,
         )
-        # The inner step gets what `update` gives it: `updates_for_inner`'s
-        # gradients (a zero for a Python number, such as `eqx.nn.Dropout`'s
-        # `p`, whose gradient is `None`: its state holds moments) and
-        # `inner_params`. Only the arrays with a gradient go through the
-        # conditional and come back new; the other leaves stay outside, as
-        # `update`'s `None` updates leave them.
+        # The inner step gets what `update` gives it; only the arrays with a
+        # gradient go through the conditional, the other leaves stay outside.
         arrays = restore_none(grads, differentiated(params))
 
         def inner_apply(filled, inner_state, arrays):
@@ -129,8 +122,7 @@ class _SkipWhen(Configured):
     def _check_state(
         self, state: Any, template: Any, who: str, state_name: str, *, is_params: bool
     ) -> Any:
-        """Checks `state` against what `inner.init` builds from params like
-        `template`; returns the record for `_records.strong_as_recorded`."""
+        """`check_state_structure` of `state` for `inner`; returns the record."""
         return check_state_structure(
             self.inner.init,
             state,
@@ -143,9 +135,7 @@ class _SkipWhen(Configured):
         )
 
     def _skip(self, extra_args: dict[str, Any]) -> Any:
-        """Pops the flag from `extra_args`. Without it the step is not
-        skipped: callers that pass no extra arguments (flax's
-        `TrainState.apply_gradients`) run `inner`."""
+        """Pops the flag from `extra_args`; without it the step runs."""
         given = extra_args.pop(self.flag, False)
         try:
             skip = None if given is None else jnp.asarray(given)
@@ -167,27 +157,17 @@ def skip_when(
     """Skips `inner` on steps where the extra argument `flag` is true.
 
     The optimizer-side counterpart of `stop_gradient_where`: the decision is a
-    traced bool passed to `update` as a keyword argument (through
-    `optax.chain`, which forwards extra arguments), so a jitted step compiles
-    once for both outcomes. The flag is optional: an `update` called without
-    it (as flax's `TrainState.apply_gradients` calls it) is not skipped, and
-    `inner` runs as if unwrapped (for the params it optimises: below). Mind
-    its spelling: a misspelt keyword is forwarded to `inner` like any other
-    extra argument, and does not skip.
+    traced bool passed to `update` as a keyword argument (`optax.chain`
+    forwards it), so a jitted step compiles once for both outcomes. Without
+    the flag (flax's `TrainState.apply_gradients`) the step is not skipped; a
+    misspelt flag is forwarded to `inner` and does not skip either.
     On a skipped step the updates are exact zeros in the inner updates' dtype
-    and the inner state is returned untouched; on other steps `inner` runs
-    as usual. The state is `inner`'s own, so wrapping changes no checkpoint,
-    for params of floating arrays. As in optax, Python `float` leaves of the
-    params are optimised (their state strongly typed from `init` on); integer
-    and bool arrays are not: they hold `None` in the state, where `inner`'s
-    own state may hold a moment for them, and their update is zero.
-
-    Compared with `optax.transforms.conditionally_mask(inner, fn,
-    forward_extra_args=True)`: its zeros take the dtype of the incoming
-    gradients, so an inner optimizer that returns another dtype (float32
-    gradients for bfloat16 params) makes its `lax.cond` fail; the flag is
-    also forwarded to the inner optimizer; and it wraps the state in a new
-    type.
+    and the inner state is returned untouched. The state is `inner`'s own, so
+    wrapping changes no checkpoint, for params of floating arrays. As in
+    optax, Python `float` params are optimised (their state strongly typed);
+    integer and bool arrays hold `None` in the state (where `inner` alone
+    may hold a moment), and their update is zero. Compared with
+    `optax.transforms.conditionally_mask`: docs/gradient_context.md.
 
     **Arguments:**
 

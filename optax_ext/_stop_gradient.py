@@ -1,13 +1,6 @@
-"""`stop_gradient_where`: a conditional `torch.no_grad()` for JAX values.
-
-PyTorch code often disables gradients for a block when a flag is set
-(`with torch.no_grad() if frozen else nullcontext(): ...`) and relies on the
-previous mode being restored afterwards. JAX has no global gradient mode: a
-value either carries a gradient or is wrapped in `lax.stop_gradient`. The
-conditional form, with a flag known only at run time (a traced bool), is a
-selection between the value and its stopped copy. It has no state, so
-nothing can leak past the call, and it composes with `jit`, `vmap` and
-nested `grad`.
+"""`stop_gradient_where`: a conditional `torch.no_grad()` for JAX values, a
+selection between a value and its stopped copy on a traced flag (why:
+docs/gradient_context.md).
 """
 
 from __future__ import annotations
@@ -38,7 +31,7 @@ def _stop_leaf(pred: jax.Array, x: Any) -> Any:
         fits = jnp.broadcast_shapes(pred.shape, x.shape) == x.shape
     except ValueError:
         fits = False
-    if not fits:  # a larger predicate would change the leaf's shape
+    if not fits:
         raise ValueError(
             f"stop_gradient_where: a predicate of shape {pred.shape} does not "
             f"broadcast to a leaf of shape {x.shape}."

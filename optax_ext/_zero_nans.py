@@ -12,9 +12,7 @@ from ._leaves import is_typed_key
 
 def _found_nan(update: jax.Array) -> jax.Array:
     update = jnp.asarray(update)
-    if not jnp.issubdtype(update.dtype, jnp.inexact):
-        # Integer and bool updates cannot hold NaN; `jnp.isnan` would still
-        # build a comparison, so answer statically.
+    if not jnp.issubdtype(update.dtype, jnp.inexact):  # no NaN: no comparison
         return jnp.zeros((), jnp.bool_)
     return jnp.any(jnp.isnan(update))
 
@@ -23,16 +21,13 @@ def _zero_nan(update: jax.Array) -> jax.Array:
     update = jnp.asarray(update)  # a Python scalar leaf, as optax accepts
     if not jnp.issubdtype(update.dtype, jnp.inexact):
         return update
-    # `where` selects: with a Python zero the result keeps the update's dtype
-    # and weak type, and every non-NaN entry passes through bit for bit.
+    # A select with a Python zero keeps the dtype, weak type and other bits.
     return jnp.where(jnp.isnan(update), 0, update)
 
 
 def _tracked(x) -> bool:
-    """A params leaf that gets a `found_nan` entry: any numeric array or Python
-    number, as optax gives one (integer leaves included: they record False).
-    Functions, other objects and PRNG keys get `None`, as `eqx.filter_grad`
-    gives `None` for them."""
+    """A params leaf that gets a `found_nan` entry: a numeric array or Python
+    number (not a key or function, as `eqx.filter_grad`)."""
     if isinstance(x, (bool, int, float, complex)):
         return True
     return eqx.is_array(x) and not is_typed_key(x)
@@ -47,8 +42,7 @@ def _init(params):
 
 
 def _found_nan_like(update, previous):
-    """One leaf of the new state: it follows the state's structure, fixed at
-    `init`, so that the state keeps its avals whatever the updates hold."""
+    """One leaf of the new state, in the structure `init` fixed."""
     if previous is None:
         return None  # not a numeric leaf of the params
     if update is None:
@@ -57,10 +51,8 @@ def _found_nan_like(update, previous):
 
 
 def _found_nans(updates, state):
-    """`found_nan` in the structure of the state `init` built, or, where there
-    is none to follow (optax ignores the state: `update(g, None)` works, and
-    so do updates of another tree), in the structure of the updates, as
-    optax builds it."""
+    """`found_nan` in the structure of `init`'s state, or of the updates where
+    there is none to follow (as optax, which ignores the state)."""
     previous = getattr(state, "found_nan", None) if state is not None else None
     if previous is not None or isinstance(state, optax.ZeroNansState):
         try:
@@ -95,21 +87,18 @@ def zero_nans() -> optax.GradientTransformation:
       `lax.cond`, `lax.scan` and `jax.jit` callers fail or recompile);
     - `None` leaves (Equinox gradients of non-array fields), `optax.MaskedNode`,
       integer leaves, Python numbers and empty trees are accepted, with
-      optax's results. The state's structure is fixed by `init`: every
-      numeric params leaf (a floating, integer or bool array, or a Python
-      number) gets a `found_nan` entry, as in optax; a leaf that is not a
-      number (an Equinox model's activation functions, a PRNG key) gets
-      `None`, as `eqx.filter_grad` gives `None` for it, and a `None` update of
-      a numeric leaf records `False`;
+      optax's results. `init` fixes the state's structure: a `found_nan`
+      entry per numeric params leaf, as in optax, and `None` for a leaf that
+      is not a number (a function, a PRNG key); a `None` update records
+      `False`;
     - the state is only a template for the new one, as optax ignores it:
       `update(updates, None)` works, and updates whose tree differs from the
       params' get a `found_nan` in the updates' structure, as in optax.
 
-    Two `zero_nans()` compare equal, so a jitted step that takes the
-    optimizer as a static argument does not recompile for a new one.
-
-    It is a pure function of the updates, safe under `jax.jit`, `jax.vmap`,
-    `lax.scan` and `jax.grad` (the gradient of a zeroed entry is zero).
+    Two `zero_nans()` compare equal (a jitted step taking it as a static
+    argument does not recompile). A pure function of the updates, safe under
+    `jax.jit`, `jax.vmap`, `lax.scan` and `jax.grad` (a zeroed entry's
+    gradient is zero).
 
     **Returns:**
 
@@ -121,5 +110,4 @@ def zero_nans() -> optax.GradientTransformation:
     opt = optax.chain(optax_ext.zero_nans(), optax.adam(1e-3))
     ```
     """
-
     return optax.GradientTransformation(_init, _update)
