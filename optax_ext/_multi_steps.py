@@ -32,11 +32,11 @@ from ._accumulate.window import run_window
 from ._leaves import accumulated, restore_none
 from ._multi_steps_checks import (
     check_k,
-    check_scalar_counters,
     check_skip_fn,
-    check_state_fields,
-    check_step,
+    check_state,
     check_use_grad_mean,
+    check_weighted,
+    prepare_step,
     skip_decision,
     validate_every_k,
 )
@@ -49,12 +49,7 @@ from ._transformations import (
     with_extra_args,
 )
 from ._tree import saturating_increment
-from ._weighted import (
-    WeightedMultiStepsState,
-    Weights,
-    check_weighted,
-    window_weights,
-)
+from ._weighted import WeightedMultiStepsState, Weights, window_weights
 
 
 def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
@@ -326,19 +321,8 @@ class MultiSteps(Configured):
         window ends, runs the inner optimizer in the one conditional, and
         returns its updates (or the new params) with the next state."""
         given, all_params = grads, params
-        step = check_step(
-            grads,
-            state,
-            params,
-            extra_args,
-            method="apply_gradients" if fused else "update",
-            devices=self._devices,
-            weighted=self._weighted,
-            accumulator_dtype=self._accumulator_dtype,
-            inner_init=self._opt.init,
-            inner_structures=self._inner_structures,
-            every_k_schedule=self._every_k_schedule,
-        )
+        method = "apply_gradients" if fused else "update"
+        step = prepare_step(self, grads, state, params, extra_args, method)
         grads, params = step.grads, step.params
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
@@ -444,7 +428,7 @@ class MultiSteps(Configured):
         updates, _ = theirs.update(jnp.ones(3), opt.optax_state(state))
         ```
         """
-        check_scalar_counters(state, "optax_state")
+        check_state(state, "optax_state")
         counters = (state.mini_step, state.gradient_step)
         if not any(isinstance(c, jax.core.Tracer) for c in counters):
             mini, gradient = (int(c) for c in jax.device_get(counters))
@@ -480,7 +464,7 @@ class MultiSteps(Configured):
         assert opt.emits_next(state)
         ```
         """
-        check_scalar_counters(state, "emits_next")
+        check_state(state, "emits_next")
         counters = (state.mini_step, state.gradient_step)
         if any(isinstance(c, jax.core.Tracer) for c in counters):
             raise TypeError(
@@ -506,7 +490,7 @@ class MultiSteps(Configured):
         the counters as in optax (`mini_step == 0 and gradient_step > 0`): a
         skipped step right after an emitting one leaves it `True`, as in
         optax; `state.skip_state` tells the two apart."""
-        check_state_fields(state, "has_updated")
+        check_state(state, "has_updated", counters=False)
         return jnp.logical_and(
             jnp.asarray(state.mini_step) == 0, jnp.asarray(state.gradient_step) > 0
         )

@@ -1,8 +1,6 @@
-"""`check_step` runs every check of a `MultiSteps` step's inputs, once, at
-its entry. What `MultiSteps` checks of its arguments and inputs, each with an
-error that names the argument, what was passed and what is expected: the
-window length, the state, the skip function's output, and the gradients
-against the accumulator (whose dtype rule is `_accumulate.arithmetic`'s).
+"""What `MultiSteps` checks of its arguments and inputs, each error naming
+the argument, what was passed and what is expected: `prepare_step` builds a
+step's inputs, `check_state` checks a state once. Why: `docs/design.md`.
 """
 
 from __future__ import annotations
@@ -16,90 +14,277 @@ import numpy as np
 import optax
 from jaxtyping import PyTree
 
-from ._accumulate.arithmetic import PROMOTION_ERROR, holds, least_holding
-from ._accumulate.devices import SingleDeviceState
+from ._accumulate.arithmetic import (
+    PROMOTION_ERROR,
+    holds,
+    is_real_scalar,
+    least_holding,
+)
 from ._leaves import accumulated, zeros_where_undifferentiated
 from ._records import check_state_structure
-from ._tree import (
-    as_index,
-    caller,
-    check_same_shapes,
-    check_same_structure,
-    describe_value,
-)
-from ._weighted import NO_WEIGHT, check_state_kind, check_weight, check_weight_held
+from ._tree import as_index, check_same_shapes, check_same_structure, describe_value
+from ._weighted import WeightedMultiStepsState
 
 INT32_MAX = int(jnp.iinfo(jnp.int32).max)
+NO_WEIGHT = object()
+_UNREAD = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
+_ACC = "the accumulated gradients in the state"
+
+_MSG_EVERY_K = (
+    "every_k_schedule must be an int from 1 to 2**31 - 1, got {!r}: it is the "
+    "number of mini-steps accumulated per update, counted in the state's int32 "
+    "mini_step."
+)
+_MSG_K = (
+    "every_k_schedule returned {!r}{}; a window is a whole number of mini-steps "
+    "from 1 to 2**31 - 1 (the state counts them in int32). Round the schedule's "
+    "output (e.g. `jnp.ceil(k).astype(jnp.int32)`)."
+)
+_MSG_FIELDS = (
+    "{}'s `{}` must be the optax.MultiStepsState that MultiSteps.init returned, "
+    "got {}, which has no {}. {}"
+)
+_HINT_DICT = (
+    "It is a dict with the state's fields, as a checkpoint restored without a "
+    "target comes back: restore into the abstract state "
+    "(`jax.eval_shape(opt.init, params)`) or the state init returns, so that "
+    "its types come back too."
+)
+_HINT_STATE = (
+    "Pass the whole MultiSteps state (not its inner_opt_state, nor another "
+    "optimizer's state)."
+)
+_MSG_UNWEIGHTED = (
+    "{} got weight={}, but this MultiSteps was built without weighted=True, "
+    "where every mini-step counts the same. Build it with "
+    "`MultiSteps(..., weighted=True)` (and init its state again) to average the "
+    "mini-steps by weight."
+)
+_MSG_NEEDS_WEIGHT = (
+    "{} needs `weight=`: this mini-step's weight, a scalar >= 0 (e.g. its number "
+    "of non-padding tokens). The window emits the mean of its gradients "
+    "weighted by it."
+)
+_MSG_WEIGHT_TYPE = (
+    "{}'s `weight` must be a real scalar >= 0 (an int or float, e.g. the "
+    "mini-step's number of non-padding tokens), got {}."
+)
+_MSG_WEIGHT_VALUE = (
+    "{}'s `weight` must be finite and >= 0, got {!r}: it is the mini-step's "
+    "share of the window (e.g. its number of non-padding tokens)."
+)
+_MSG_WEIGHT_HELD = (
+    "{0}'s `weight` is {1!r}, which the window's weights (summed in {2}, as "
+    "state.acc_weight) do not hold: {2} keeps {3:.3g} to {4:.3g}, and XLA "
+    "flushes a smaller one to 0. Only the weights' ratios matter: scale them "
+    "all alike."
+)
+_MSG_WEIGHTED_SUM = (
+    "MultiSteps(weighted=True) emits the weighted mean of the window's "
+    "gradients; it takes no use_grad_mean=False. For the gradient of a sum over "
+    "the window's tokens, scale the inner optimizer's learning rate by the "
+    "window's weight instead."
+)
+_MSG_NO_ACC_WEIGHT = (
+    "{}'s `{}` has no acc_weight: got {}, not the WeightedMultiStepsState that "
+    "its init returns. Build the state with this MultiSteps' init."
+)
+_MSG_OTHER_KIND = (
+    "{} got a WeightedMultiStepsState (from MultiSteps(..., weighted=True).init) "
+    "for a MultiSteps built without weighted=True; build both with the same "
+    "`weighted`."
+)
+_MSG_SKIP_FLAG = (
+    "should_skip_update_fn {} must return a scalar bool as its first output, got "
+    "{} {!r} (dtype {}, shape {}). Reduce it to one decision, e.g. with "
+    "`jnp.any(...)`."
+)
+_HINT_PARAMS = (
+    "pass the params (or the Equinox model) this MultiSteps's init was given, "
+    "or params of the same tree and shapes."
+)
+_MSG_FLOAT0 = (
+    "MultiSteps: the gradient at {} has dtype float0, what "
+    "`jax.grad(..., allow_int=True)` gives an integer param: there is nothing to "
+    "accumulate or apply there (optax's optimizers and `apply_updates` refuse "
+    "float0 too). Pass None there, as `eqx.filter_grad` does, or leave the "
+    "integer params out of the differentiated tree."
+)
+
+
+def _rounding_message(where: str, g_dtype: Any, a_dtype: Any, acc_dtype: Any) -> str:
+    least = least_holding(g_dtype, a_dtype)
+    wide = f"a dtype holding {g_dtype}" if least is None else f"jnp.{least}"
+    return (
+        f"MultiSteps: the gradient at {where or 'the root'} has dtype {g_dtype}, "
+        f"but the accumulator for it in the state (acc_grads{where}) has dtype "
+        f"{a_dtype}, which does not hold every {g_dtype} value: accumulating "
+        f"would round every gradient to {a_dtype}. The accumulator's dtype is "
+        "fixed by init: the least dtype holding the params' dtype and "
+        f"accumulator_dtype (here accumulator_dtype={acc_dtype}). Build "
+        f"MultiSteps with accumulator_dtype={wide} and init it again, or pass "
+        f"gradients of dtype {a_dtype}."
+    )
+
+
+def _caller(method: str, weighted: bool = False) -> tuple[str, str]:
+    """How the user called `method`, and its state argument's name."""
+    if method == "apply_gradients":
+        return "optax_ext.apply_gradients", "opt_state"
+    return f"MultiSteps{'(weighted=True)' if weighted else ''}.{method}", "state"
 
 
 class StepInputs(NamedTuple):
-    """A step's inputs, checked by `check_step`."""
+    """A step's inputs, as `prepare_step` builds them."""
 
-    grads: PyTree
-    """The gradients, with zeros where an accumulated param got `None`."""
-    params: PyTree | None
-    """`accumulated(params)`, or `None` where none were passed."""
-    weight: Any
-    """The mini-step's `weight=` (`None` without `weighted=True`)."""
-    k: jax.Array
-    """The length of the window this mini-step is in."""
-    record: Any
-    """What the inner `init` builds, for `strong_as_recorded`."""
-    extra_args: dict[str, Any]
-    """The extra arguments for the inner optimizer (`weight=` taken out)."""
+    grads: PyTree  # zeros where an accumulated param got `None`
+    params: PyTree | None  # `accumulated(params)`, or `None` where not passed
+    weight: Any  # the mini-step's `weight=` (`None` without `weighted=True`)
+    k: jax.Array  # the length of the window this mini-step is in
+    record: Any  # what the inner `init` builds, for `strong_as_recorded`
+    extra_args: dict[str, Any]  # for the inner optimizer (`weight=` taken out)
 
 
-def check_step(
+def prepare_step(
+    opt: Any,
     grads: PyTree,
     state: Any,
     params: PyTree | None,
     extra_args: dict[str, Any],
-    *,
     method: str,
-    devices: SingleDeviceState,
-    weighted: bool,
-    accumulator_dtype: Any,
-    inner_init: Callable,
-    inner_structures: dict,
-    every_k_schedule: Callable[[jax.Array], Any],
 ) -> StepInputs:
-    """Every check of a `MultiSteps` step's inputs, in the order a bad input
-    is reported: the mesh axis, the state, the weight, the params and the
-    gradients against the accumulator, the inner state against what
-    `inner_init` builds (from the params where given: an integer leaf's
-    accumulator is float32, its param not), the devices' gradients, the
-    window length."""
+    """The inputs of a step of the `MultiSteps` `opt`, checked in the order
+    a bad input is reported (as `docs/design.md` lists them)."""
+    devices = opt._devices
     devices.check_bound(method)
-    check_state(state, method)
     extra_args = dict(extra_args)
-    weight = check_weight(extra_args.pop("weight", NO_WEIGHT), weighted, method)
-    check_state_kind(state, weighted, method)
-    if weighted:
-        check_weight_held(weight, jnp.result_type(state.acc_weight), method)
+    weight = extra_args.pop("weight", NO_WEIGHT)
+    weight = check_state(state, method, weighted=opt._weighted, weight=weight)
     acc = devices.drop_axis(state.acc_grads)
     if params is not None:
         params = accumulated(params)
-        check_params(params, acc)
+        _check_params(params, acc)
     # Integer and Python-number params hold state (as in optax) but get a
     # `None` gradient from `eqx.filter_grad`: zeros there, `None` back in
     # the updates.
-    given = grads
-    grads = zeros_where_undifferentiated(grads, params)
-    check_gradients(grads, acc, accumulator_dtype)
+    given, grads = grads, zeros_where_undifferentiated(grads, params)
+    _check_gradients(grads, acc, opt._accumulator_dtype)
+    who, state_arg = _caller(method)
     record = check_state_structure(
-        inner_init,
+        opt._opt.init,
         state.inner_opt_state,
         acc if params is None else params,
-        inner_structures,
+        opt._inner_structures,
         is_params=params is not None,
-        who=caller(method)[0],
-        state_name=f"{caller(method)[1]}.inner_opt_state",
+        who=who,
+        state_name=f"{state_arg}.inner_opt_state",
         owner="MultiSteps",
     )
     devices.check_gradients(given, acc)
     gradient_step = jnp.asarray(state.gradient_step)
-    k = check_k(every_k_schedule(gradient_step), gradient_step)
+    k = check_k(opt._every_k_schedule(gradient_step), gradient_step)
     return StepInputs(grads, params, weight, k, record, extra_args)
+
+
+def check_state(
+    state: Any,
+    method: str,
+    *,
+    weighted: bool | None = None,
+    counters: bool = True,
+    weight: Any = NO_WEIGHT,
+) -> Any:
+    """Raises unless `state` has `MultiStepsState`'s fields, then (with
+    `counters`) scalar integer counters, arrays for a step (`weighted` given,
+    which checks `_check_weighted` too and returns the checked `weight`)."""
+    who, state_arg = _caller(method)
+    fields = optax.MultiStepsState._fields
+    missing = [f for f in fields if not hasattr(state, f)]
+    if missing:
+        # A dict with the fields: a checkpoint restored without a target.
+        as_dict = isinstance(state, dict) and set(fields) <= set(state)
+        hint = _HINT_DICT if as_dict else _HINT_STATE
+        got, names = describe_value(state), ", ".join(missing)
+        raise TypeError(_MSG_FIELDS.format(who, state_arg, got, names, hint))
+    arrays = weighted is not None  # a step's
+    for name in ("mini_step", "gradient_step") if counters else ():
+        value = getattr(state, name)
+        try:
+            dtype = jnp.result_type(value)
+        except TypeError:
+            dtype = None
+        if (
+            dtype is None
+            or not jnp.issubdtype(dtype, jnp.integer)
+            or jnp.ndim(value)
+            or (arrays and not hasattr(value, "dtype"))
+        ):
+            what = (
+                "array (as MultiSteps.init builds it)"
+                if arrays
+                else f"(one state's counter; for a stack of states, jax.vmap {who})"
+            )
+            raise TypeError(
+                f"{who}'s `{state_arg}.{name}` must be a scalar integer "
+                f"{what}, got {describe_value(value)}."
+            )
+    if weighted is None:
+        return None
+    return _check_weighted(state, weight, weighted, method)
+
+
+def _check_weighted(state: Any, weight: Any, weighted: bool, method: str) -> Any:
+    """The mini-step's `weight` (given exactly when `weighted`, real, >= 0
+    and finite where known), then the state's kind and `acc_weight`."""
+    who, state_arg = _caller(method)
+    if not weighted:
+        if weight is not NO_WEIGHT:
+            raise TypeError(_MSG_UNWEIGHTED.format(who, describe_value(weight)))
+        if isinstance(state, WeightedMultiStepsState):
+            raise TypeError(_MSG_OTHER_KIND.format(who))
+        return None
+    weighted_who = _caller(method, weighted=True)[0]
+    if weight is NO_WEIGHT:
+        raise TypeError(_MSG_NEEDS_WEIGHT.format(weighted_who))
+    if not is_real_scalar(weight):
+        raise TypeError(_MSG_WEIGHT_TYPE.format(who, describe_value(weight)))
+    try:
+        known = float(np.asarray(weight))
+    except _UNREAD:
+        known = None  # traced: not checked
+    if known is not None and not (known >= 0 and np.isfinite(known)):
+        raise ValueError(_MSG_WEIGHT_VALUE.format(who, known))
+    if not hasattr(state, "acc_weight"):
+        got = type(state).__name__
+        raise TypeError(_MSG_NO_ACC_WEIGHT.format(weighted_who, state_arg, got))
+    value = state.acc_weight
+    dtype = getattr(value, "dtype", None)
+    if (
+        dtype is None
+        or not jnp.issubdtype(dtype, jnp.floating)
+        or jnp.shape(value) not in ((), (1,))
+    ):
+        raise TypeError(
+            f"{weighted_who}'s `{state_arg}.acc_weight` must be a float scalar (as "
+            f"init builds it), got {describe_value(value)}."
+        )
+    # XLA flushes a weight below the smallest normal to 0; above max is inf.
+    dtype = jnp.result_type(value)
+    tiny, largest = float(jnp.finfo(dtype).tiny), float(jnp.finfo(dtype).max)
+    if known is not None and (0 < known < tiny or known > largest):
+        held = (who, known, np.dtype(dtype), tiny, largest)
+        raise ValueError(_MSG_WEIGHT_HELD.format(*held))
+    return weight
+
+
+def check_weighted(weighted: Any, use_grad_mean: Any) -> bool:
+    if not isinstance(weighted, bool | np.bool_):
+        raise TypeError(
+            f"weighted must be True or False, got {describe_value(weighted)}."
+        )
+    if weighted and not use_grad_mean:
+        raise ValueError(_MSG_WEIGHTED_SUM)
+    return bool(weighted)
 
 
 def validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
@@ -111,31 +296,24 @@ def validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
         if isinstance(every_k_schedule, bool)
         else as_index(every_k_schedule)
     )
-    if k is not None:
-        if not 1 <= k <= INT32_MAX:
-            raise ValueError(
-                "every_k_schedule must be an int from 1 to 2**31 - 1, got "
-                f"{every_k_schedule!r}: it is the number of mini-steps "
-                "accumulated per update, counted in the state's int32 mini_step."
-            )
-        return lambda _: k
-    raise TypeError(
-        "every_k_schedule must be a positive int or a function of the gradient "
-        f"step returning one, got {every_k_schedule!r} of type "
-        f"{type(every_k_schedule).__name__}."
-    )
+    if k is None:
+        raise TypeError(
+            "every_k_schedule must be a positive int or a function of the "
+            f"gradient step returning one, got {every_k_schedule!r} of type "
+            f"{type(every_k_schedule).__name__}."
+        )
+    if not 1 <= k <= INT32_MAX:
+        raise ValueError(_MSG_EVERY_K.format(every_k_schedule))
+    return lambda _: k
 
 
 def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
-    """The window length from `every_k_schedule`: a scalar int, a float
-    holding a whole number, or a bool (`True` is 1), as optax accepts. A
-    value known while tracing (a Python or NumPy number, or a JAX array made
-    outside the trace) must be a whole number from 1 to 2**31 - 1, under
-    `jit` too; a traced one (under `jit` that includes a `jnp` constant made
-    inside the schedule) is handled by `_window_complete`."""
+    """The window length from `every_k_schedule`, as optax accepts it; a
+    known one must be a whole number from 1 to 2**31 - 1 (a traced one is
+    `_window_complete`'s)."""
     try:
         known = np.asarray(k)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    except _UNREAD:
         known = None
     kind = known if known is not None else jnp.asarray(k)
     numeric = (
@@ -158,75 +336,8 @@ def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
             at = f" at gradient step {int(gradient_step)}"
         except jax.errors.ConcretizationTypeError:
             at = ""
-        raise ValueError(
-            f"every_k_schedule returned {value!r}{at}; a window is a whole "
-            "number of mini-steps from 1 to 2**31 - 1 (the state counts them in "
-            "int32). Round the schedule's output (e.g. "
-            "`jnp.ceil(k).astype(jnp.int32)`)."
-        )
+        raise ValueError(_MSG_K.format(value, at))
     return jnp.asarray(k)
-
-
-def check_state(state: Any, method: str) -> None:
-    """Raises a `TypeError` unless `state` is a `MultiStepsState`-like value
-    with scalar integer array counters."""
-    check_scalar_counters(state, method, arrays=True)
-
-
-def check_scalar_counters(state: Any, method: str, arrays: bool = False) -> None:
-    """`check_state_fields`, and counters that are scalar integers: what
-    reading one state's window needs (Python ints too, unless `arrays`, as
-    `update` needs them)."""
-    check_state_fields(state, method)
-    who, state_arg = caller(method)
-    for name in ("mini_step", "gradient_step"):
-        value = getattr(state, name)
-        try:
-            dtype = jnp.result_type(value)
-        except TypeError:
-            dtype = None
-        if (
-            dtype is None
-            or not jnp.issubdtype(dtype, jnp.integer)
-            or jnp.ndim(value)
-            or (arrays and not hasattr(value, "dtype"))
-        ):
-            what = (
-                "array (as MultiSteps.init builds it)"
-                if arrays
-                else (f"(one state's counter; for a stack of states, jax.vmap {who})")
-            )
-            raise TypeError(
-                f"{who}'s `{state_arg}.{name}` must be a scalar integer "
-                f"{what}, got {describe_value(value)}."
-            )
-
-
-def check_state_fields(state: Any, method: str) -> None:
-    """Raises a `TypeError` unless `state` has `MultiStepsState`'s fields
-    (counters of any shape: `has_updated` reads a stack of states too)."""
-    fields = optax.MultiStepsState._fields
-    missing = [f for f in fields if not hasattr(state, f)]
-    if missing:
-        if isinstance(state, dict) and set(fields) <= set(state):
-            # What a checkpoint library gives back restored without a target.
-            hint = (
-                "It is a dict with the state's fields, as a checkpoint restored "
-                "without a target comes back: restore into the abstract state "
-                "(`jax.eval_shape(opt.init, params)`) or the state init "
-                "returns, so that its types come back too."
-            )
-        else:
-            hint = (
-                "Pass the whole MultiSteps state (not its inner_opt_state, nor "
-                "another optimizer's state)."
-            )
-        who, state_arg = caller(method)
-        raise TypeError(
-            f"{who}'s `{state_arg}` must be the optax.MultiStepsState "
-            f"that MultiSteps.init returned, got {describe_value(state)}, which "
-            f"has no {', '.join(missing)}. {hint}"
-        )
 
 
 def check_use_grad_mean(use_grad_mean: Any) -> bool:
@@ -276,52 +387,28 @@ def skip_decision(
             f"skip_state), got {type(out).__name__}: {out!r}."
         )
     should_skip, skip_state = out
-    dtype = getattr(should_skip, "dtype", None)
+    dtype, shape = getattr(should_skip, "dtype", None), jnp.shape(should_skip)
     if isinstance(should_skip, bool):
         should_skip = jnp.asarray(should_skip)
-    elif dtype != jnp.bool_ or jnp.shape(should_skip) != ():
-        raise TypeError(
-            f"should_skip_update_fn {name} must return a scalar bool as its first "
-            f"output, got {type(should_skip).__name__} {should_skip!r} (dtype "
-            f"{dtype}, shape {jnp.shape(should_skip)}). "
-            "Reduce it to one decision, e.g. with `jnp.any(...)`."
-        )
+    elif dtype != jnp.bool_ or shape != ():
+        got = type(should_skip).__name__
+        raise TypeError(_MSG_SKIP_FLAG.format(name, got, should_skip, dtype, shape))
     return should_skip, skip_state
 
 
-def check_params(params: PyTree, acc: PyTree) -> None:
+def _check_params(params: PyTree, acc: PyTree) -> None:
     """Raises where the params' optimised leaves do not fit the accumulator
     `init` built from the params: another tree, or other shapes."""
-    hint = (
-        "pass the params (or the Equinox model) this MultiSteps's init was "
-        "given, or params of the same tree and shapes."
-    )
-    check_same_structure(
-        acc,
-        params,
-        expected_name="the accumulated gradients in the state",
-        got_name="the params",
-        hint=hint[0].upper() + hint[1:],
-    )
-    check_same_shapes(
-        acc,
-        params,
-        expected_name="the accumulated gradients in the state",
-        got_name="the params",
-        hint=hint,
-    )
+    names = dict(expected_name=_ACC, got_name="the params")
+    hint = _HINT_PARAMS[0].upper() + _HINT_PARAMS[1:]
+    check_same_structure(acc, params, **names, hint=hint)
+    check_same_shapes(acc, params, **names, hint=_HINT_PARAMS)
 
 
-def check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None:
+def _check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None:
     """Raises where the gradients do not fit the accumulator: another tree
-    or shapes, or a dtype the accumulator's does not hold (accumulating
-    would round it)."""
-    check_same_structure(
-        acc,
-        grads,
-        expected_name="the accumulated gradients in the state",
-        got_name="the updates",
-    )
+    or shapes, or a dtype it does not hold (accumulating would round)."""
+    check_same_structure(acc, grads, expected_name=_ACC, got_name="the updates")
     check_same_shapes(
         acc,
         grads,
@@ -329,39 +416,16 @@ def check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None:
         got_name="the updates",
         hint="the gradients must have the shapes of the params.",
     )
-    for (path, g), a in zip(
-        jax.tree_util.tree_flatten_with_path(grads)[0],
-        jax.tree.leaves(acc),
-        strict=True,
-    ):
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    for (path, g), a in zip(flat, jax.tree.leaves(acc), strict=True):
+        where = jax.tree_util.keystr(path)
         if getattr(g, "dtype", None) == jax.dtypes.float0:
-            raise TypeError(
-                f"MultiSteps: the gradient at {jax.tree_util.keystr(path)} has "
-                "dtype float0, what `jax.grad(..., allow_int=True)` gives an "
-                "integer param: there is nothing to accumulate or apply there "
-                "(optax's optimizers and `apply_updates` refuse float0 too). "
-                "Pass None there, as `eqx.filter_grad` does, or leave the "
-                "integer params out of the differentiated tree."
-            )
+            raise TypeError(_MSG_FLOAT0.format(where))
         g_dtype = jnp.result_type(g)
         try:
             held = jnp.result_type(g, a.dtype) == a.dtype
         except PROMOTION_ERROR:
             held = holds(a.dtype, g_dtype)
-        if held:
-            continue
-        where = jax.tree_util.keystr(path)
-        least = least_holding(g_dtype, a.dtype)
-        wide = f"a dtype holding {g_dtype}" if least is None else f"jnp.{least}"
-        raise TypeError(
-            f"MultiSteps: the gradient at {where or 'the root'} has dtype "
-            f"{g_dtype}, but the accumulator for it in the state "
-            f"(acc_grads{where}) has dtype {a.dtype}, which does not hold "
-            f"every {g_dtype} value: accumulating would round every "
-            f"gradient to {a.dtype}. The accumulator's dtype is fixed by "
-            "init: the least dtype holding the params' dtype and "
-            f"accumulator_dtype (here accumulator_dtype="
-            f"{accumulator_dtype}). Build MultiSteps with "
-            f"accumulator_dtype={wide} and init it again, or pass gradients "
-            f"of dtype {a.dtype}."
-        )
+        if not held:
+            message = _rounding_message(where, g_dtype, a.dtype, accumulator_dtype)
+            raise TypeError(message)

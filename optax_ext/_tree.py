@@ -236,15 +236,6 @@ def check_updates_fit_params(
             raise ValueError(f"{who}: {error}") from None
 
 
-def caller(method: str, weighted: bool = False) -> tuple[str, str]:
-    """How the user called `MultiSteps`' `method`, and the name of its state
-    argument, for error messages: the fused step is called as
-    `optax_ext.apply_gradients(opt, grads, opt_state, params)`."""
-    if method == "apply_gradients":
-        return "optax_ext.apply_gradients", "opt_state"
-    return f"MultiSteps{'(weighted=True)' if weighted else ''}.{method}", "state"
-
-
 def describe_value(value: Any) -> str:
     """A short description of a value for an error message."""
     if hasattr(value, "shape") and hasattr(value, "dtype"):
