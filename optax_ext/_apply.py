@@ -19,10 +19,8 @@ from ._transformations import (
 
 
 def _host_emit(emit: Any, optimizer: Any, found: Any) -> bool:
-    """`emit` as a Python bool: a Python or NumPy bool (what
-    `step % k == k - 1` gives for a NumPy step), a host value. Raises for
-    anything else, and unless `found` (the optimizer's `owner`) is a
-    `MultiSteps`."""
+    """`emit` as a Python bool; raises unless it is a host bool and `found`
+    (the optimizer's `owner`) a `MultiSteps`."""
     numpy_bool = isinstance(emit, (np.bool_, np.ndarray)) and np.shape(emit) == ()
     if not (isinstance(emit, bool) or (numpy_bool and emit.dtype == np.bool_)):
         array = isinstance(emit, jax.Array)
@@ -67,22 +65,16 @@ def apply_gradients(
         updates, opt_state = optimizer.update(grads, opt_state, params, **extra_args)
         params = optax.apply_updates(params, updates)
 
-    with the same operations and dtypes; XLA compiles the one call apart from
-    the two, so a float result may differ from theirs in the last bit (an
-    ulp). `params` may be a whole Equinox model: a leaf whose gradient is
-    `None` (what `eqx.filter_grad` gives for leaves that are not floating
-    arrays) is kept as it is, as `eqx.apply_updates` does.
+    with the same operations and dtypes (compiled apart, a float may differ
+    in the last bit). `params` may be a whole Equinox model: a leaf whose
+    gradient is `None` is kept as it is, as `eqx.apply_updates` does.
 
     For `optax_ext.MultiSteps` (and its `gradient_transformation()`) and
-    `optax_ext.skip_when`, nested in each other to any depth, the step is
-    fused: the params go into the `lax.cond` that decides whether the inner
-    optimizer runs, and a step that does not update (a mini-step of a window,
-    a skipped step) returns them as they came in. No tree of zero updates is
-    built and none is added: with params and state donated, a mini-step
-    costs what accumulating the gradients costs. Inside `optax.chain` the
-    parts cannot be reached (a chain is a closure), so a chain is applied
-    unfused, correctly: put `MultiSteps` outermost, around the chain, as
-    usual.
+    `optax_ext.skip_when`, nested to any depth, the step is fused: the params
+    go into the `lax.cond` that decides whether the inner optimizer runs, and
+    a step that does not update returns them as they came in, with no tree of
+    zero updates built. An `optax.chain` (a closure) is applied unfused: put
+    `MultiSteps` outermost, around the chain.
 
     **Arguments:**
 
@@ -93,19 +85,13 @@ def apply_gradients(
     - `opt_state`: the optimizer's state.
     - `params`: the params (or Equinox model) to update.
     - `emit`: for an `optax_ext.MultiSteps` only, a Python or NumPy bool
-      from a training loop that knows on the host which step ends a window
-      (`step % k == k - 1`): `False` compiles a step that only
-      accumulates, `True` one that accumulates and runs the inner
-      optimizer on the window's mean, neither with a conditional. The host
-      decides: `True` closes the window on this step, whatever
-      `every_k_schedule` says (the mean is over the mini-steps it holds),
-      and `False` never runs the inner optimizer, even past `k`. Weights,
-      skip functions and `axis_name` work as without it; a skipped step or
-      a window of weight 0 leaves the params and the inner state as they
-      were. `None` (the default): the window decides, in one conditional.
-      A loop resumed from a checkpoint must count from the state's
-      `mini_step`; `MultiSteps.emits_next(state)` tells whether the window
-      would end on the next step, to check the host's choice against.
+      chosen on the host (`step % k == k - 1`): `True` closes the window on
+      this step, whatever `every_k_schedule` says, and runs the inner
+      optimizer on its mean; `False` only accumulates, even past `k`. Each
+      compiles without a conditional; weights, skip functions and
+      `axis_name` work as without it. `None` (the default): the window
+      decides, in one conditional. `MultiSteps.emits_next(state)` checks the
+      host's choice (docs/multi_steps.md, "The fused train step").
     - `**extra_args`: passed to `update` (`skip=` for `skip_when`,
       `weight=` for `MultiSteps(weighted=True)`, `value=` for
       `optax.contrib.reduce_on_plateau`, ...).

@@ -1,7 +1,5 @@
-"""`nnx_apply_gradients`: `apply_gradients` for a Flax NNX training loop,
-on an `nnx.Optimizer` and its model in place, as `nnx.Optimizer.update`
-does. Flax is never imported here (it is no dependency of the package): an
-`nnx.Optimizer` exists only once `flax.nnx` is.
+"""`nnx_apply_gradients`: `apply_gradients` on an `nnx.Optimizer` and its
+model in place. Flax is never imported here (docs/design.md, "Flax NNX").
 """
 
 from __future__ import annotations
@@ -16,9 +14,7 @@ _NAME = "optax_ext.nnx_apply_gradients"
 
 
 def _check_arguments(nnx: Any, optimizer: Any, model: Any, emit: Any) -> None:
-    """Raises for an `optimizer` that is no `nnx.Optimizer`, a `model`
-    that is no NNX graph node, or `emit` with an optimizer that is no
-    `optax_ext.MultiSteps`."""
+    """Raises for arguments `nnx_apply_gradients` cannot take."""
     if nnx is None or not isinstance(optimizer, nnx.Optimizer):
         raise TypeError(
             f"{_NAME}: optimizer must be a flax `nnx.Optimizer` (built with "
@@ -52,15 +48,11 @@ def nnx_apply_gradients(
     `optax_ext.apply_gradients`: one optimizer step, its update applied to
     `model` in the same call, fused for `MultiSteps`.
 
-    It does what `nnx.Optimizer.update` does, in the same order: it reads
-    the params (`nnx.state(model, optimizer.wrt)`) and the gradients the
-    same way, runs `optimizer.tx`, writes the new params into `model` and
-    the new state into `optimizer.opt_state` (with `nnx.update`), and adds 1
-    to `optimizer.step`. Only the middle differs: `apply_gradients(tx,
-    grads, opt_state, params)` where `update` runs `tx.update` then
-    `optax.apply_updates`. So one optimizer can take both calls, and
-    `nnx.state(optimizer)` has the same structure either way: a checkpoint
-    of one loads in the other. Like `update`, it works in place, inside
+    It reads and writes the model and optimizer as `nnx.Optimizer.update`
+    does, in the same order, and adds 1 to `optimizer.step`; only the middle
+    differs (`apply_gradients` where `update` runs `tx.update` then
+    `optax.apply_updates`). So one optimizer takes both calls, and a
+    checkpoint of one loads in the other. It works in place, inside
     `nnx.jit` or outside.
 
     **Arguments:**

@@ -1,8 +1,5 @@
-"""Flax NNX modules as arguments of `microbatched`: each argument holding an
-NNX graph node is split (`nnx.split`) into a pytree before the loop and
-merged back (`nnx.merge`) inside each trace of `grad_fn`, so that
-`nnx.grad` there meets a module built at its own trace level. Flax is never
-imported here: an NNX graph node exists only once `flax.nnx` is.
+"""Flax NNX modules as `microbatched` arguments: split before the loop,
+merged in each trace of `grad_fn` (why: docs/design.md, "Flax NNX").
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ import jax
 
 
 class SplitNode(eqx.Module):
-    """An argument holding NNX graph nodes, as `nnx.split` gives it: the
-    graph definition (static) and the state (the arrays)."""
+    """An argument holding NNX graph nodes, as `nnx.split` gives it."""
 
     graphdef: Any = eqx.field(static=True)
     state: Any
@@ -31,9 +27,8 @@ def _holds_graph_node(value: Any, is_graph_node: Callable) -> bool:
 def split_graph_nodes(
     args: tuple, kwargs: dict, keep: Collection[int | None]
 ) -> tuple[tuple, dict, bool]:
-    """`args` and `kwargs` with each value that holds an NNX graph node (a
-    module, a variable) split into a `SplitNode`, but for the positions in
-    `keep` (the batch, the key); and whether any was."""
+    """`args` and `kwargs` with each value holding an NNX graph node split
+    into a `SplitNode` (but at the positions `keep`), and whether any was."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return args, kwargs, False
@@ -52,8 +47,7 @@ def split_graph_nodes(
 
 
 def merging(fn: Callable) -> Callable:
-    """`fn` called with each `SplitNode` argument merged back
-    (`nnx.merge`) into the value it was split from."""
+    """`fn` called with each `SplitNode` argument merged back."""
     nnx = sys.modules["flax.nnx"]
 
     def merge(value: Any) -> Any:

@@ -1,7 +1,6 @@
-"""What the package's wrappers share about the transformations they wrap:
-the check that one was given, extra-argument forwarding, and one step
-applied to the params (`step_and_apply`), fused where the optimizer is one
-of this package's. `optax_ext.apply_gradients` is its public face."""
+"""What the wrappers share about the optimizer they wrap: the check, extra
+arguments, and one step applied to the params (`step_and_apply`), fused for
+this package's own."""
 
 from __future__ import annotations
 
@@ -33,11 +32,8 @@ def check_transformation(value: Any, name: str) -> None:
 
 
 def apply_updates(params: optax.Params, updates: optax.Updates) -> optax.Params:
-    """`optax.apply_updates`' arithmetic (`p + u` cast back to the dtype of
-    `p`) with `eqx.apply_updates`' tree handling: where `updates` holds
-    `None` (what `eqx.filter_grad` gives for a leaf that is not a floating
-    array: a function, an integer buffer) the params leaf is kept as it is.
-    """
+    """`optax.apply_updates`' arithmetic, keeping a param whose update is
+    `None` (as `eqx.apply_updates`)."""
 
     def apply(u: Any, p: Any) -> Any:
         if u is None:
@@ -55,9 +51,8 @@ def merge_trainable(params: PyTree, new: PyTree) -> PyTree:
 
 
 def owner(optimizer: Any) -> Configured | None:
-    """The object of this package behind `optimizer`, if any: a `MultiSteps`
-    itself, or the owner behind the `Method`s of
-    `MultiSteps.gradient_transformation()` and `skip_when(...)`."""
+    """The object of this package behind `optimizer` (itself, or its
+    `Method`s' owner), if any."""
     owner = optimizer
     if isinstance(getattr(optimizer, "update", None), Method):
         owner = optimizer.update.owner
@@ -65,12 +60,8 @@ def owner(optimizer: Any) -> Configured | None:
 
 
 def with_extra_args(opt: Any) -> optax.GradientTransformationExtraArgs:
-    """`opt` as an `optax.GradientTransformationExtraArgs` that forwards extra
-    keyword arguments wherever `apply_gradients` forwards them: as
-    `optax.with_extra_args_support`, except that an optimizer of this
-    package (a `MultiSteps`, a `skip_when`, in any form) keeps them, so a
-    nested one still gets `skip=` and `value=` (as its `update` does when
-    called directly)."""
+    """`optax.with_extra_args_support(opt)`, except that an optimizer of this
+    package keeps its extra arguments (`skip=`, `value=`) when nested."""
     if owner(opt) is not None and not isinstance(
         opt, optax.GradientTransformationExtraArgs
     ):
@@ -79,11 +70,9 @@ def with_extra_args(opt: Any) -> optax.GradientTransformationExtraArgs:
 
 
 def fused_owner(optimizer: Any, params: Any, grads: Any) -> Any:
-    """The object whose `_apply_gradients` fuses `optimizer`'s step, if any
-    (`owner`). None when a Python number of `params` has a gradient: its
-    update makes it an array, which the conditional cannot hand back as a
-    number on the steps that do not update (such a step is applied
-    unfused). Numbers without one (`eqx.nn.Dropout`'s `p`) stay outside."""
+    """The `owner` that fuses `optimizer`'s step, if any; None where a Python
+    number of `params` has a gradient (a conditional cannot return it as a
+    number), so that step is applied unfused."""
     found = owner(optimizer)
     if not hasattr(found, "_apply_gradients"):
         return None
@@ -109,8 +98,7 @@ def step_and_apply(
     params: optax.Params,
     **extra_args: Any,
 ) -> tuple[optax.Params, optax.OptState]:
-    """`optimizer.update` then `apply_updates`, or, where `optimizer` is one
-    of this package's (`fused_owner`), its fused `_apply_gradients`."""
+    """`optimizer.update` then `apply_updates`, or `fused_owner`'s fused step."""
     found = fused_owner(optimizer, params, grads)
     if found is not None:
         return found._apply_gradients(grads, opt_state, params, **extra_args)
