@@ -33,32 +33,28 @@ from ._injection import (
 from ._static import snapshot
 from ._tree import describe_value
 
+_CONTAINERS = (
+    collections.abc.Iterable,
+    collections.abc.Mapping,
+    collections.abc.Sequence,
+    list,
+    dict,
+    tuple,
+)
 
-def _callable_forms(annotation: Any) -> list[tuple[Any, ...]]:
-    """The argument lists of every `Callable[[...], ...]` inside `annotation`."""
-    found: list[tuple[Any, ...]] = []
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin is collections.abc.Callable and args and isinstance(args[0], list):
-        found.append(tuple(args[0]))
-    for arg in args:
+
+def _type_args(annotation: Any) -> list[Any]:
+    """Every type named inside an annotation (`Union` and generics unpacked)."""
+    found = [annotation]
+    for arg in typing.get_args(annotation):
         if not isinstance(arg, list):
-            found.extend(_callable_forms(arg))
+            found.extend(_type_args(arg))
     return found
 
 
 def _takes_a_tree(tp: Any) -> bool:
     """Whether a type admits containers (a params tree) rather than a number."""
-    if typing.get_origin(tp) in (
-        collections.abc.Iterable,
-        collections.abc.Mapping,
-        collections.abc.Sequence,
-        list,
-        dict,
-        tuple,
-    ):
-        return True
-    if tp is typing.Any:
+    if tp is typing.Any or typing.get_origin(tp) in _CONTAINERS:
         return True
     return any(_takes_a_tree(arg) for arg in typing.get_args(tp))
 
@@ -67,7 +63,12 @@ def _annotation_rules_out_schedule(annotation: Any) -> bool:
     """Rule 5: the annotation names `Callable`s, none taking one number."""
     if annotation is inspect.Parameter.empty or isinstance(annotation, str):
         return False
-    forms = _callable_forms(annotation)
+    forms = [
+        typing.get_args(t)[0]
+        for t in _type_args(annotation)
+        if typing.get_origin(t) is collections.abc.Callable
+        and isinstance((typing.get_args(t) or (None,))[0], list)
+    ]
     if not forms:
         return False
     return not any(len(f) == 1 and not _takes_a_tree(f[0]) for f in forms)
@@ -78,15 +79,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(
         value, (bool, np.bool_)
     )
-
-
-def _type_args(annotation: Any) -> list[Any]:
-    """Every type named inside an annotation (`Union` and generics unpacked)."""
-    found = [annotation]
-    for arg in typing.get_args(annotation):
-        if not isinstance(arg, list):
-            found.extend(_type_args(arg))
-    return found
 
 
 def _rejects_str(param: inspect.Parameter) -> bool:

@@ -142,12 +142,9 @@ class Injection(Configured):
     def _storage_dtype(self, value: jax.Array, given: Any) -> Any:
         """`hyperparam_dtype` for a floating value not given as a strong JAX
         array (which keeps its dtype, as in optax); else `value`'s dtype."""
+        floating = jnp.issubdtype(value.dtype, jnp.floating)
         strong_array = isinstance(given, jax.Array) and not is_weak(given)
-        if (
-            self.dtype is not None
-            and jnp.issubdtype(value.dtype, jnp.floating)
-            and not strong_array
-        ):
+        if self.dtype is not None and floating and not strong_array:
             return self.dtype
         return value.dtype
 
@@ -209,9 +206,8 @@ class Injection(Configured):
     def _check_kept(self, name: str, value: Any, dtype: Any, where: str) -> None:
         """Refuses a known floating value that `dtype` rounds to 0 (from
         nonzero), 1 (from within (0, 1)) or infinity."""
-        if isinstance(value, jax.core.Tracer) or not jnp.issubdtype(
-            dtype, jnp.floating
-        ):
+        floating = jnp.issubdtype(dtype, jnp.floating)
+        if isinstance(value, jax.core.Tracer) or not floating:
             return
         wanted = np.asarray(value, np.float64)
         with np.errstate(over="ignore"):  # an overflow is reported below

@@ -6,6 +6,7 @@ filters and gap fillers built on it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -99,6 +100,15 @@ def accumulated(tree: PyTree) -> PyTree:
     return jax.tree.map(keep, tree, is_leaf=_is_module)
 
 
+def _map_or(default: Callable[[], Any], fn: Callable, *trees: PyTree) -> PyTree:
+    """`jax.tree.map(fn, *trees)` with `None` as a leaf, or `default()` where
+    the trees do not line up."""
+    try:
+        return jax.tree.map(fn, *trees, is_leaf=is_none)
+    except (ValueError, TypeError):
+        return default()
+
+
 def _strong(x: Any) -> jax.Array:
     return lax.convert_element_type(x, jnp.result_type(x))
 
@@ -126,10 +136,7 @@ def updates_for_inner(updates: PyTree, params: PyTree) -> PyTree:
             return jnp.zeros(jnp.shape(p), jnp.result_type(p))
         return _strong(u) if is_weak_number(u) else u
 
-    try:
-        return jax.tree.map(fill, updates, params, is_leaf=is_none)
-    except (ValueError, TypeError):
-        return updates
+    return _map_or(lambda: updates, fill, updates, params)
 
 
 def updates_for_params(original: PyTree, new: PyTree, params: PyTree) -> PyTree:
@@ -146,10 +153,7 @@ def updates_for_params(original: PyTree, new: PyTree, params: PyTree) -> PyTree:
             return o if dtype == jax.dtypes.float0 else jnp.zeros(jnp.shape(o), dtype)
         return n
 
-    try:
-        return jax.tree.map(back, original, new, params, is_leaf=is_none)
-    except (ValueError, TypeError):
-        return restore_none(original, new)
+    return _map_or(lambda: restore_none(original, new), back, original, new, params)
 
 
 def zeros_where_undifferentiated(updates: PyTree, params: PyTree) -> PyTree:
@@ -164,19 +168,11 @@ def zeros_where_undifferentiated(updates: PyTree, params: PyTree) -> PyTree:
             return jnp.zeros_like(p)
         return u
 
-    try:
-        return jax.tree.map(fill, updates, params, is_leaf=is_none)
-    except (ValueError, TypeError):
-        return updates
+    return _map_or(lambda: updates, fill, updates, params)
 
 
 def restore_none(original: PyTree, new: PyTree) -> PyTree:
     """`new` with `None` wherever `original` (the incoming updates) had it."""
     if not any(x is None for x in jax.tree.leaves(original, is_leaf=is_none)):
         return new
-    try:
-        return jax.tree.map(
-            lambda o, n: None if o is None else n, original, new, is_leaf=is_none
-        )
-    except (ValueError, TypeError):
-        return new
+    return _map_or(lambda: new, lambda o, n: None if o is None else n, original, new)

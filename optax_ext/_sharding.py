@@ -54,9 +54,7 @@ def _mirror_leaf(leaf: Any, param: Any) -> Any:
     typed = typed_sharding(param)
     if typed is not None:
         return jax.sharding.reshard(leaf, typed)
-    if not isinstance(param, Tracer):
-        return leaf
-    if jax.device_count() == 1:
+    if not isinstance(param, Tracer) or jax.device_count() == 1:
         return leaf
     return cast_like(lax.add(leaf, _exact_zero_like(param, leaf.dtype)), leaf)
 

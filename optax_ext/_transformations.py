@@ -76,19 +76,15 @@ def fused_owner(optimizer: Any, params: Any, grads: Any) -> Any:
     found = owner(optimizer)
     if not hasattr(found, "_apply_gradients"):
         return None
-    numbers_with_gradients: list[bool] = []
 
-    def note(g: Any, p: Any) -> None:
-        number = isinstance(p, (int, float, complex))
-        numbers_with_gradients.append(g is not None and number)
+    def number_with_gradient(g: Any, p: Any) -> bool:
+        return g is not None and isinstance(p, (int, float, complex))
 
     try:
-        jax.tree.map(note, grads, params, is_leaf=is_none)
+        flags = jax.tree.map(number_with_gradient, grads, params, is_leaf=is_none)
     except (ValueError, TypeError):
         return found  # its own checks say what does not fit
-    if any(numbers_with_gradients):
-        return None
-    return found
+    return None if any(jax.tree.leaves(flags)) else found
 
 
 def step_and_apply(
