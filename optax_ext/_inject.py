@@ -186,11 +186,11 @@ def inject_hyperparams(
     1. named in `static_args`, or a `*args` / `**kwargs` entry: passed through;
     2. `None`, a bool, a string, or a dtype or other class: passed through;
     3. an `optax.schedules.StatefulSchedule`: a stateful schedule;
-    4. a parameter named `mask` or ending in `_mask`: passed through, whether a
-       pytree, a callable pytree or a function `params -> mask` (optax #1373);
-    5. any other callable is passed through when the factory's default there
-       is a callable, or when the annotation names callables but none that
-       takes a single number (e.g. `Callable[[Params], Any]`);
+    4. a parameter named `mask` or ending in `_mask`: passed through, a
+       pytree or a function `params -> mask` (optax #1373);
+    5. any other callable where the factory's default is a callable, or whose
+       annotation names callables none of which takes one number: passed
+       through;
     6. any other callable is a schedule, called with the step count;
     7. a Python or NumPy int where the factory's default is an int (a size or
        count) is passed through (optax issue #412);
@@ -202,16 +202,15 @@ def inject_hyperparams(
     To make an argument a schedule against rules 4-5, wrap it in a `lambda`;
     to pass one through against rules 6-8, name it in `static_args`.
 
-    **Numerics:** a numeric hyperparameter is stored as a strongly typed
-    array, in `hyperparam_dtype` if given (a strongly typed JAX array given
-    keeps its dtype, as in optax), else in the dtype of the value given; an
-    int where the factory takes a float is stored as a float. Handed to the
-    factory, one given as a Python number or weak array, and every schedule
-    value, is weakly typed, so it promotes as the Python number would. The
-    updates are bit for bit the bare factory's given each number rounded to
-    its stored dtype. A value that its dtype rounds to 0, 1 or infinity is
-    refused, as are names written into `state.hyperparams` that are not
-    injected; every error names the argument (list: the page's "Errors").
+    **Numerics:** a numeric hyperparameter is stored strongly typed, in
+    `hyperparam_dtype` if given (a strong JAX array keeps its dtype, as in
+    optax), else in the given value's dtype (an int where the factory takes
+    a float as a float). Handed to the factory, a Python number, weak array
+    or schedule value is weakly typed, so it promotes as the number would:
+    the updates are the bare factory's given each number rounded to its
+    stored dtype. Values rounded to 0, 1 or infinity, and names written into
+    `state.hyperparams` that are not injected, are refused (docs page,
+    "Errors").
 
     **Arguments:**
 

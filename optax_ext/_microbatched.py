@@ -1,9 +1,4 @@
-"""`microbatched`: gradient accumulation inside one compiled step.
-
-`microbatched(grad_fn, k)` wraps a gradient function and returns one with
-the same signature that loops over `k` micro-batches of its batch argument
-and returns the mean: the in-step form of gradient accumulation, beside the
-optimizer form `MultiSteps`. This module holds the public function and the
+"""`microbatched`: gradient accumulation inside one compiled step, and the
 checks of its arguments; the loop is `_microbatched_loop`'s, where it runs
 and the reduction across devices `_microbatched_devices`'.
 """

@@ -60,19 +60,14 @@ def nnx_apply_gradients(
     - `optimizer`: an `nnx.Optimizer`; its `tx` any optax optimizer, an
       `optax_ext.MultiSteps` for the fused step.
     - `model`: the NNX module `optimizer` was built for.
-    - `grads`: its gradients, as `nnx.grad(loss)(model, ...)` (or
-      `optax_ext.microbatched` around it) returns them.
+    - `grads`: its gradients, as `nnx.grad(loss)(model, ...)` returns them.
     - `emit`: for an `optax_ext.MultiSteps` only, a Python bool chosen on
-      the host: `True` ends the window on this step, `False` only
-      accumulates (see `apply_gradients`). Under `nnx.jit`, make it
-      static: `nnx.jit(step, static_argnames="emit")`.
-    - `**extra_args`: passed to `tx.update`, as `update` passes them:
-      `weight=` for `MultiSteps(weighted=True)`, `skip=` for `skip_when`.
+      the host (see `apply_gradients`); static under `nnx.jit`.
+    - `**extra_args`: passed to `tx.update` (`weight=`, `skip=`).
 
     **Returns:**
 
-    None: `model` and `optimizer` are updated in place. (`update` returns
-    the updates; the fused step builds none.)
+    None: `model` and `optimizer` are updated in place.
 
     **Example:**
 

@@ -79,26 +79,20 @@ def zero_nans() -> optax.GradientTransformation:
 
     What it adds to `optax.zero_nans`:
 
-    - every updates leaf keeps its dtype and weak type (bfloat16 stays
-      bfloat16), and `inf` is left as it is: only NaN is replaced;
-    - the returned state always holds strongly typed scalar `bool` leaves,
-      whatever a wrapper handed back as the previous state, so the state's
-      avals never change from step to step (a changing state makes
-      `lax.cond`, `lax.scan` and `jax.jit` callers fail or recompile);
-    - `None` leaves (Equinox gradients of non-array fields), `optax.MaskedNode`,
-      integer leaves, Python numbers and empty trees are accepted, with
-      optax's results. `init` fixes the state's structure: a `found_nan`
-      entry per numeric params leaf, as in optax, and `None` for a leaf that
-      is not a number (a function, a PRNG key); a `None` update records
-      `False`;
-    - the state is only a template for the new one, as optax ignores it:
-      `update(updates, None)` works, and updates whose tree differs from the
-      params' get a `found_nan` in the updates' structure, as in optax.
+    - every updates leaf keeps its dtype and weak type, and `inf` is left as
+      it is: only NaN is replaced;
+    - the state always holds strongly typed scalar `bool` leaves, so its
+      avals never change from step to step, whatever a wrapper handed back;
+    - `None` leaves, `optax.MaskedNode`, integer leaves, Python numbers and
+      empty trees are accepted, with optax's results. `init` fixes the
+      state's structure: a `found_nan` entry per numeric params leaf, `None`
+      for a function or PRNG key; a `None` update records `False`;
+    - as in optax, the state is only a template: `update(updates, None)`
+      works, and updates of another tree get a `found_nan` of their own.
 
-    Two `zero_nans()` compare equal (a jitted step taking it as a static
-    argument does not recompile). A pure function of the updates, safe under
-    `jax.jit`, `jax.vmap`, `lax.scan` and `jax.grad` (a zeroed entry's
-    gradient is zero).
+    Two `zero_nans()` compare equal. Safe under `jax.jit`, `jax.vmap`,
+    `lax.scan` and `jax.grad` (a zeroed entry's gradient is zero).
+    Details: docs/zero_nans.md.
 
     **Returns:**
 
