@@ -65,8 +65,10 @@ def deviceless(session: nox.Session) -> None:
     """The GPU and TPU compile checks alone, in their pinned environment
     (`tests/data/deviceless-requirements.txt`)."""
     session.install("-r", "tests/data/deviceless-requirements.txt", "-e", ".")
+    # `-p _compiled` (tests/ on the path): each `xdist_group` to one worker
+    # under pytest 9.2 (tests/_compiled.py), each case's programs compiled once.
     session.run(
-        "pytest", "-n", "2", "--dist", "loadgroup",
+        "pytest", "-p", "_compiled", "-n", "2", "--dist", "loadgroup",
         "-k", "gpu or tpu or lion or clip or MultiSteps or accumulator",
         "tests/test_compiled_backends.py", "tests/test_train_step_memory.py",
         *session.posargs,
@@ -74,6 +76,7 @@ def deviceless(session: nox.Session) -> None:
             "JAX_PLATFORMS": "cpu",
             "OPTAX_EXT_DEVICELESS": "here",
             "OPTAX_EXT_FULL_MATRIX": "1",
+            "PYTHONPATH": str(pathlib.Path(__file__).parent / "tests"),
         },
     )  # fmt: skip
 

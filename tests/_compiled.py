@@ -270,3 +270,28 @@ def step_cost(compiled, backend: str) -> tuple[int, int]:
         return total
 
     return cost("ENTRY", min), cost("ENTRY", max)
+
+
+def pytest_collection_modifyitems(config, items):
+    """As a pytest plugin (`-p _compiled`, tests/ on `PYTHONPATH`: the
+    deviceless and newest-JAX runners' children, `nox -s deviceless`):
+    under `--dist loadgroup`, each test marked `xdist_group` gets its
+    group after an `@` in its nodeid, which is how pytest-xdist's
+    scheduler sends a group to one worker. pytest-xdist 3.8 writes it to
+    `item._nodeid`, which pytest 9.2 no longer reads (the nodeid is
+    `item._id`): without this every case's reference programs compile
+    once in each worker."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = sorted(
+            {
+                str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                for m in item.iter_markers("xdist_group")
+            }
+        )
+        grouped = item.nodeid.rfind("@") > item.nodeid.rfind("]")  # (xdist's test)
+        if names and hasattr(item, "_id") and not grouped:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")

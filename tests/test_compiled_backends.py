@@ -201,6 +201,11 @@ def _step(opt, form, weighted=False):
     return step
 
 
+# The compiled programs' HLO text, by `_compiled`'s arguments (out of its
+# report, which the assertion messages print).
+_HLO: dict[tuple, str] = {}
+
+
 @functools.cache
 def _compiled(backend, layout, inner, dtype, form, weighted=False):
     params = LAYOUTS[layout](jnp.dtype(dtype))
@@ -219,6 +224,7 @@ def _compiled(backend, layout, inner, dtype, form, weighted=False):
         f"[{','.join(map(str, p.shape))}]" for p in params.values() if p.size >= 1 << 16
     }
     out = report(compiled, shapes, INNER[inner][1])
+    _HLO[backend, layout, inner, dtype, form, weighted] = compiled.as_text()
     out["cost"] = step_cost(compiled, backend)
     out["params"] = _bytes(params)
     out["donated"] = _bytes(params) + _bytes(state)
@@ -371,7 +377,12 @@ def test_host_chosen_steps_hold_no_conditional(backend, layout, inner, dtype, em
     assert got["temp"] <= bound, (got["temp"] / got["params"], bare["temp"])
 
 
-@pytest.mark.parametrize("inner", ["adamw", "lion"])
+# Lion's case (1.000x; 26 s of CPU in CI's deviceless child, 4 compiles of the
+# GPT-2-like tree) where FULL (`nox -s deviceless`): the same forms and
+# bounds as Adam-W's, whose 1.077x is the tighter, so AdamW's case keeps
+# the contract in CI. Lion's every-step drop-in on the TPU stays in CI too:
+# `test_mini_step_runs_no_inner_optimizer[tpu-4 large-lion-*]`.
+@pytest.mark.parametrize("inner", ["adamw", "lion"] if FULL else ["adamw"])
 def test_tpu_steps_cost_no_more_cycles_than_optax(inner):
     """XLA:TPU (a v5e, libtpu 0.0.48.1) on the GPT-2-like tree, float32,
     the optimizer step alone (gradients passed in): the cycles its cost
@@ -399,7 +410,10 @@ def test_tpu_steps_cost_no_more_cycles_than_optax(inner):
     assert 3 * mini + emitting <= 4 * optax_, cost
 
 
+# In the group of the cases' Adam-W float32 program on 4 large leaves, which
+# it reads: compiled once per process (`_compiled`).
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.xdist_group("4 large-adamw-float32")
 def test_loops_over_the_accumulator_per_step(backend):
     """The loops that write a params-leaf-sized array outside the
     conditional, Adam-W's fused step on 4 large leaves: every step runs
@@ -407,11 +421,9 @@ def test_loops_over_the_accumulator_per_step(backend):
     clears the accumulator after the conditional)."""
     _skip_unless(backend)
     params = LAYOUTS["4 large"](jnp.float32)
-    opt = optax_ext.MultiSteps(optax.adamw(1e-3), K)
-    compiled = compile_step(
-        backend, _step(opt, "fused"), params, opt.init(params), params
-    )
-    comps = hlo_computations(compiled.as_text())
+    case = (backend, "4 large", "adamw", "float32", "fused", False)
+    _compiled(*case)
+    comps = hlo_computations(_HLO[case])
     inside = branch_names(comps)
     loops = [
         line

@@ -50,9 +50,17 @@ def test_compiled_checks_pass_with_the_newest_jax():
         "OPTAX_EXT_XLA_DEFAULTS",
     ):
         env.pop(name, None)
+    # `-p _compiled` (tests/ on the path): its hook gives each
+    # `xdist_group` (a whole-step case's forms) to one worker under pytest
+    # 9.2, so that the case's references compile once, not once per worker.
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])
+    )
     summary = child_pytest(
         python,
         [
+            "-p",
+            "_compiled",
             "-n",
             "2",
             "--dist",
