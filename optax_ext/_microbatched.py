@@ -181,6 +181,7 @@ def microbatched(
     accumulator_dtype: Any = jnp.float32,
     axis_name: Hashable | None = None,
     weight_fn: Callable | None = None,
+    use_grad_mean: bool = True,
     per_example: Any = False,
     num_real_microbatches: int | jax.Array | None = None,
 ) -> Callable:
@@ -226,6 +227,11 @@ def microbatched(
     - `weight_fn`: None, or a function called like `grad_fn` on one
       micro-batch, returning its weight, a real scalar >= 0. Floating
       outputs are then `sum_j w_j x_j / sum_j w_j`.
+    - `use_grad_mean`: `False` sums the floating outputs over the
+      micro-batches instead (`sum_j w_j x_j` with `weight_fn`: the
+      token-summed loss and its gradient when `x_j` is micro-batch `j`'s
+      token mean and `w_j` its token count), averaged over the devices
+      without `weight_fn`, as `MultiSteps(use_grad_mean=False)`.
     - `per_example`: `False`, `True`, `"gradient"`, or a pytree prefix of
       `grad_fn`'s output with such leaves. Marked outputs have a row per
       example and come back whole; `"gradient"` ones (a gradient with
@@ -259,6 +265,11 @@ def microbatched(
             f"{describe_value(weight_fn)}."
         )
     per_example = _check_per_example(per_example)
+    if not isinstance(use_grad_mean, bool | np.bool_):
+        raise TypeError(
+            "use_grad_mean must be True (the micro-batches' outputs averaged) "
+            f"or False (summed), got {describe_value(use_grad_mean)}."
+        )
     settings = LoopSettings(
         grad_fn=grad_fn,
         num_microbatches=k,
@@ -268,6 +279,7 @@ def microbatched(
         weight_fn=weight_fn,
         per_example=per_example,
         num_real_microbatches=_check_num_real(num_real_microbatches, k),
+        mean=bool(use_grad_mean),
     )
 
     def wrapped(*args: Any, **kwargs: Any) -> PyTree:

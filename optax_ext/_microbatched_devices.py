@@ -20,17 +20,15 @@ from jaxtyping import PyTree
 
 from ._accumulate.arithmetic import work_dtype
 from ._microbatched_loop import (
-    GRADIENT,
+    GradientRows,
     Looped,
     LoopSettings,
+    Rows,
     accumulate,
     is_combined,
 )
 from ._sharding import axis_names, manual_axes, shards_over, typed_sharding
 from ._tree import cast_like
-
-ROWS = ("concat", GRADIENT)
-"""The kinds of output that come back with a row per example."""
 
 
 def _is_manual(axis_name: Hashable) -> bool:
@@ -127,42 +125,45 @@ def _run(
     """The loop and the reduction after it across `axis_name` (if bound):
     the output, and which of its combined leaves are per-example rows."""
     looped = accumulate(settings, axis_name, args, kwargs, regather=regather)
-    if settings.weight_fn is not None:
-        values, total = _weighted_across_devices(looped, axis_name)
-    else:
-        values, total = _across_devices(looped, axis_name), None
+    values, total = _across_devices(looped, axis_name)
     results = []
     for kind, a, s in zip(looped.kinds, values, looped.structs, strict=True):
-        if kind == GRADIENT:
-            a = _batch_share(a, looped, total, axis_name)
-        if kind in ROWS:
+        if isinstance(kind, GradientRows):
+            a = _batch_share(a, kind, looped, total, axis_name)
+        if isinstance(kind, Rows):
             a = _unsplit(a)
         # grad_fn's dtype and weak type (the gradient of a Python float is
         # weakly typed; a strong one would recompile the caller's step).
         results.append(cast_like(a, s))
     tree = jax.tree_util.tree_unflatten(looped.treedef, results)
-    return eqx.combine(tree, looped.static), [c in ROWS for c in looped.kinds]
+    rows = [isinstance(kind, Rows) for kind in looped.kinds]
+    return eqx.combine(tree, looped.static), rows
 
 
 def _batch_share(
-    acc: jax.Array, looped: Looped, total: jax.Array | None, axis_name: Hashable | None
+    acc: jax.Array,
+    kind: GradientRows,
+    looped: Looped,
+    total: jax.Array,
+    axis_name: Hashable | None,
 ) -> jax.Array:
     """A gradient with respect to the batch, `(rows, k, ...)`, each
-    micro-batch's rows scaled by its share of the whole batch: `1 / (n d)`
-    for `n` micro-batches run on each of `d` devices (each micro-batch's
-    loss is a mean over `1 / (n d)` of the batch's rows), or `w_j / W`
-    with `weight_fn` (`W` the weights' sum over every device). Rows of a
-    micro-batch of weight 0 are zeros: it is not read, as for the means."""
+    micro-batch's rows scaled by its share of the batch's loss: `1 / (n d)`
+    for the mean of `n` micro-batches on each of `d` devices, `1 / d`
+    summed; `w_j / W` for the weighted mean (`W` the weights' sum over
+    every device), `w_j` summed. A micro-batch of weight 0 gives zeros."""
     wide = acc.astype(work_dtype(acc.dtype))
     by_microbatch = (1, acc.shape[1]) + (1,) * (acc.ndim - 2)
+    devices = 1 if axis_name is None else lax.axis_size(axis_name)
     if looped.weights is None:
-        devices = 1 if axis_name is None else lax.axis_size(axis_name)
-        count = jnp.maximum(jnp.asarray(looped.count, jnp.int32), 1) * devices
+        count = jnp.asarray(looped.count, jnp.int32) if kind.accumulator.mean else 1
+        count = jnp.maximum(count, 1) * devices
         return (wide / count.astype(wide.real.dtype)).astype(acc.dtype)
-    assert total is not None
     w = looped.weights.astype(wide.real.dtype)
-    safe = jnp.where(total > 0, total, jnp.ones_like(total)).astype(w.dtype)
-    share = jnp.where(w > 0, w / safe, jnp.zeros_like(w)).reshape(by_microbatch)
+    if kind.accumulator.mean:
+        safe = jnp.where(total > 0, total, jnp.ones_like(total)).astype(w.dtype)
+        w = jnp.where(w > 0, w / safe, jnp.zeros_like(w))
+    share = w.reshape(by_microbatch)
     scaled = jnp.where(share > 0, wide * share, jnp.zeros_like(wide))
     return scaled.astype(acc.dtype)
 
@@ -173,60 +174,28 @@ def _unsplit(acc: jax.Array) -> jax.Array:
     return acc.reshape(acc.shape[0] * acc.shape[1], *acc.shape[2:])
 
 
-def _across_devices(looped: Looped, axis_name: Hashable | None) -> list:
-    """Each device's means (or sums) over its micro-batches, averaged (or
-    summed) across `axis_name` if given: means in at least float32 (a
-    narrower one's sum over devices would overflow)."""
-    if axis_name is None:
-        return looped.accumulators
-    values = []
-    for kind, a in zip(looped.kinds, looped.accumulators, strict=True):
-        if kind == "mean":
-            a = lax.pmean(a.astype(work_dtype(a.dtype)), axis_name)
-        elif kind == "sum":
-            a = lax.psum(a, axis_name)
-        elif kind == "any":
-            a = lax.psum(a.astype(jnp.int32), axis_name) > 0
-        values.append(a)
-    return values
-
-
-def _weighted_across_devices(
+def _across_devices(
     looped: Looped, axis_name: Hashable | None
 ) -> tuple[list, jax.Array]:
-    """The weighted loop's results and the weights' sum over all devices:
-    floating ones are each device's weighted mean (zeros where its weights
-    sum to 0); across devices, every device's mean times its weight, its
-    integer sums, bool flags and its weight go into one `psum`, and the
-    means are divided by the summed weight."""
-    kinds, acc, total = looped.kinds, looped.accumulators, looped.weight
+    """Each output's accumulation over every device and the weights' sum
+    (this device's without `axis_name`): every reduced output's part
+    (`Accumulator.part`) and the weight in one all-reduce."""
+    acc, total = looped.accumulators, looped.weight
     if axis_name is None:
         return acc, total
-    parts = []
-    for kind, a in zip(kinds, acc, strict=True):
-        if kind == "mean":
-            # At least the weight's float32: a narrower accumulator's
-            # mean times a token count would overflow.
-            wide = a.astype(jnp.promote_types(a.dtype, total.dtype))
-            parts.append(wide * total.astype(wide.dtype))
-        elif kind == "any":
-            parts.append(a.astype(jnp.int32))
-        elif kind == "sum":
-            parts.append(a)
-    summed, total = lax.psum((parts, total), axis_name)
+    kinds = looped.kinds
+    weight = total if looped.weights is not None else None
+    parts = [k.part(a, weight) for k, a in zip(kinds, acc, strict=True) if k.reduced]
+    if weight is None:
+        summed = lax.psum(parts, axis_name)
+    else:
+        summed, total = lax.psum((parts, total), axis_name)
+    devices = lax.axis_size(axis_name)
     reduced = iter(summed)
-    safe = jnp.where(total > 0, total, jnp.ones_like(total))
-    values = []
-    for kind, a in zip(kinds, acc, strict=True):
-        if kind in ROWS:
-            values.append(a)
-            continue
-        value = next(reduced)
-        if kind == "mean":
-            value = value / safe.astype(value.dtype)
-        elif kind == "any":
-            value = value > 0
-        values.append(value)
+    values = [
+        k.whole(next(reduced), total, devices) if k.reduced else a
+        for k, a in zip(kinds, acc, strict=True)
+    ]
     return values, total
 
 

@@ -19,14 +19,16 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._accumulate.arithmetic import (
-    accumulator_dtype_for,
-    fold,
-    fold_weighted,
-    is_real_scalar,
+from ._accumulate.accumulator import (
+    Accumulator,
+    AnyOf,
+    Count,
+    GradientRows,
+    Rows,
+    Weights,
     weight_dtype,
-    weighted_fold_terms,
 )
+from ._accumulate.arithmetic import accumulator_dtype_for, is_real_scalar
 from ._sharding import (
     axis_names,
     cast_varying,
@@ -51,19 +53,19 @@ class LoopSettings(NamedTuple):
     weight_fn: Callable | None
     per_example: Any
     num_real_microbatches: Any
+    mean: bool = True
 
 
 class Looped(NamedTuple):
     """The loop's result on this device, before any reduction across
     devices: one accumulator per combined output leaf, flat."""
 
-    kinds: list[str]
-    """Per leaf: "mean", "sum" (integer), "any" (bool), "concat" (rows as
-    they are) or "gradient" (rows, to be scaled by their micro-batch's
-    share of the batch)."""
+    kinds: list[Any]
+    """Per leaf, how it is combined: an `Accumulator` (floating), `Count`
+    (integer), `AnyOf` (bool), `Rows` or `GradientRows` (`per_example`)."""
     accumulators: list[jax.Array]
-    """Per leaf: the mean (weighted with `weight_fn`), sum, any, or the
-    rows as `(rows, k, ...)`."""
+    """Per leaf: the mean or sum (weighted with `weight_fn`), the count,
+    the any, or the rows as `(rows, k, ...)`."""
     weight: jax.Array
     """The sum of the micro-batches' weights (0 without `weight_fn`)."""
     weights: jax.Array | None
@@ -122,6 +124,14 @@ def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
     return cast_varying(value, tuple(want - have))
 
 
+def _zero(kind: Any, struct: Any, dtype: Any, k: int) -> jax.Array:
+    """A leaf's first carry: zeros, sharded as its output where its type
+    says (a sharded accumulator), `(rows, k, ...)` for rows."""
+    if isinstance(kind, Rows):
+        return _rows_accumulator(struct, k, dtype)
+    return zeros_like_struct(struct, dtype)
+
+
 def _check_not_summed(outs: PyTree, kinds: list, acc: list, axis_name: Any) -> None:
     """Refuses a reduced output that is the same on every device along
     `axis_name`: the gradient of a value `grad_fn` closes over, summed."""
@@ -129,7 +139,7 @@ def _check_not_summed(outs: PyTree, kinds: list, acc: list, axis_name: Any) -> N
     paths = jax.tree_util.tree_leaves_with_path(outs)
     for kind, (path, out), a in zip(kinds, paths, acc, strict=True):
         out_axes, acc_axes = varying_axes(out), varying_axes(a)
-        if kind not in ("concat", GRADIENT) and None not in (out_axes, acc_axes):
+        if kind.reduced and None not in (out_axes, acc_axes):
             _refuse_summed(summed_axes(out_axes, acc_axes, names), axis_name, path)
 
 
@@ -184,20 +194,17 @@ def _per_example_flags(per_example: Any, out_shape: PyTree, shapes: PyTree) -> l
             f"{jax.tree.structure(out_shape)}, "
             f"per_example is {jax.tree.structure(per_example)}. ({e})"
         ) from None
+    # Their values were checked when `microbatched` was built.
     flags = jax.tree.leaves(full)
-    for flag in flags:
-        if not (isinstance(flag, bool | np.bool_) or is_gradient_mark(flag)):
-            raise TypeError(
-                f"per_example's leaves must be True, False or 'gradient', got {flag!r}."
-            )
     return [flag if is_gradient_mark(flag) else bool(flag) for flag in flags]
 
 
 def _kind_and_dtype(
-    struct: Any, per_example: Any, rows: int, accumulator_dtype: Any, path: str
-) -> tuple[str, Any]:
+    struct: Any, per_example: Any, rows: int, settings: LoopSettings, path: str
+) -> tuple[Any, Any]:
     """How the output leaf at `path` is combined, and its accumulator's dtype."""
     where = f"at {path or 'the root'}"
+    floating = Accumulator(settings.mean, settings.weight_fn is not None)
     if per_example:
         if not struct.shape or struct.shape[0] != rows:
             raise ValueError(
@@ -213,16 +220,20 @@ def _kind_and_dtype(
                     f"'gradient', but it is {struct.dtype}: a gradient with "
                     "respect to the batch is floating."
                 )
-            return GRADIENT, struct.dtype
-        return "concat", struct.dtype
+            return GradientRows(floating), struct.dtype
+        return Rows(), struct.dtype
     if jnp.issubdtype(struct.dtype, jnp.inexact):
-        return "mean", accumulator_dtype_for(
-            struct.dtype, accumulator_dtype, path, "microbatched", "grad_fn's output"
+        return floating, accumulator_dtype_for(
+            struct.dtype,
+            settings.accumulator_dtype,
+            path,
+            "microbatched",
+            "grad_fn's output",
         )
     if struct.dtype == jnp.bool_:
-        return "any", jnp.dtype(jnp.bool_)
+        return AnyOf(), jnp.dtype(jnp.bool_)
     if jnp.issubdtype(struct.dtype, jnp.integer):
-        return "sum", struct.dtype
+        return Count(), struct.dtype
     raise TypeError(
         f"grad_fn returned {struct.dtype} {where}; microbatched combines "
         "floating (mean), integer (sum) and bool (any) outputs only."
@@ -231,7 +242,7 @@ def _kind_and_dtype(
 
 def _plan_outputs(
     out_shape: PyTree, settings: LoopSettings, rows: int
-) -> tuple[list[str], list[Any], list[Any], Any, PyTree]:
+) -> tuple[list[Any], list[Any], list[Any], Any, PyTree]:
     """From `grad_fn`'s output on one micro-batch (its shapes): per combined
     leaf its kind and accumulator dtype, and its struct; their structure;
     and the rest of the output, as it comes back."""
@@ -250,11 +261,7 @@ def _plan_outputs(
     kinds, acc_dtypes = [], []
     for (path, s), per_example in zip(flat_shapes, flags, strict=True):
         kind, dtype = _kind_and_dtype(
-            s,
-            per_example,
-            rows,
-            settings.accumulator_dtype,
-            jax.tree_util.keystr(path),
+            s, per_example, rows, settings, jax.tree_util.keystr(path)
         )
         kinds.append(kind)
         acc_dtypes.append(dtype)
@@ -272,22 +279,6 @@ def _rows_accumulator(struct: Any, k: int, dtype: Any) -> jax.Array:
     spec += (None,) * (len(struct.shape) - len(spec))
     sharding = struct.sharding.update(spec=P(spec[0], None, *spec[1:]))
     return jnp.zeros(shape, dtype, out_sharding=sharding)
-
-
-def _fold_output(
-    kind: str, j: jax.Array, out: jax.Array, acc: jax.Array, weighted: Any
-) -> jax.Array:
-    """`acc` with micro-batch `j`'s output `out` folded in, by its kind;
-    `weighted` is `fold_weighted`'s `(first, nothing, scale)` or None."""
-    if kind in ("concat", GRADIENT):
-        return lax.dynamic_update_index_in_dim(acc, out, j, axis=1)
-    if kind == "any":
-        return jnp.logical_or(acc, out)
-    if kind == "sum":
-        return fold(out, acc, j, mean=False)
-    if weighted is not None:
-        return fold_weighted(out, acc, *weighted)
-    return fold(out, acc, j, mean=True)
 
 
 def _params_barrier(j: jax.Array, tree: Any, argnums: tuple[int, ...]) -> Any:
@@ -338,12 +329,7 @@ def _initial_carry(
     weight and the micro-batches' weights (varying over `axis_name`)."""
     init = []
     for s, dtype, kind in zip(structs, acc_dtypes, kinds, strict=True):
-        if kind in ("concat", GRADIENT):
-            zero = _rows_accumulator(s, k, dtype)
-        else:
-            # With the output's sharding where its type has one (params
-            # sharded over `Explicit` axes): a sharded accumulator.
-            zero = zeros_like_struct(s, dtype)
+        zero = _zero(kind, s, dtype, k)
         init.append(zero if axis_name is None else pcast_varying(zero, axis_name))
     weight_sum = jnp.zeros((), weights_dtype)
     weights = jnp.zeros((k,), weights_dtype)
@@ -352,35 +338,86 @@ def _initial_carry(
     return init, weight_sum, weights
 
 
-def _micro_batch(
-    j: jax.Array,
-    args: tuple,
-    kwargs: dict,
-    split: dict,
-    keys: jax.Array | None,
-    settings: LoopSettings,
-    axis_name: Hashable | None,
-    regather: bool,
-) -> tuple[list, dict[str, Any]]:
-    """The arguments of micro-batch `j`: its rows of each batch argument
-    (`split`: split on a second axis), its own key, and (`regather`) the
-    rest through `_params_barrier`."""
-    argnums, key_argnum = settings.batch_argnums, settings.key_argnum
-    call_args, call_kwargs = list(args), kwargs
-    if regather:
-        call_args, call_kwargs = _params_barrier(j, (call_args, kwargs), argnums)
-    for i in argnums:
-        call_args[i] = jax.tree.map(
-            lambda x: lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False),
-            split[i],
+class _MicroBatches:
+    """The loop's view of the call: micro-batch `j`'s arguments (its rows
+    of each batch argument, its own key, and with `regather` the rest
+    through `_params_barrier`), and `grad_fn` and `weight_fn` on them."""
+
+    def __init__(self, settings, axis_name, args, kwargs, regather):
+        k, argnums, key_argnum = (
+            settings.num_microbatches,
+            settings.batch_argnums,
+            settings.key_argnum,
         )
-    if keys is not None and key_argnum is not None:
-        key = lax.dynamic_index_in_dim(keys, j, keepdims=False)
         if axis_name is not None:
-            # Each device's rows get their own dropout masks.
-            key = jax.random.fold_in(key, lax.axis_index(axis_name))
-        call_args[key_argnum] = key
-    return call_args, call_kwargs
+            args, kwargs = pcast_varying((args, kwargs), axis_name)
+        self.rows = _rows(args, argnums, k) // k
+        # Rows (a * k + j) form micro-batch j: a device's rows stay its own
+        # in every micro-batch.
+        self.split = {
+            i: jax.tree.map(lambda x: split_leading(x, k), args[i]) for i in argnums
+        }
+        self.keys = (
+            None if key_argnum is None else jax.random.split(args[key_argnum], k)
+        )
+        self.settings, self.axis_name, self.regather = settings, axis_name, regather
+        self.args, self.kwargs = args, kwargs
+
+    def cut(self, j: jax.Array) -> tuple[list, dict[str, Any]]:
+        argnums, key_argnum = self.settings.batch_argnums, self.settings.key_argnum
+        args, kwargs = list(self.args), self.kwargs
+        if self.regather:
+            args, kwargs = _params_barrier(j, (args, kwargs), argnums)
+        for i in argnums:
+            args[i] = jax.tree.map(
+                lambda x: lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False),
+                self.split[i],
+            )
+        if self.keys is not None and key_argnum is not None:
+            key = lax.dynamic_index_in_dim(self.keys, j, keepdims=False)
+            if self.axis_name is not None:
+                # Each device's rows get their own dropout masks.
+                key = jax.random.fold_in(key, lax.axis_index(self.axis_name))
+            args[key_argnum] = key
+        return args, kwargs
+
+    def call(self, j: jax.Array) -> PyTree:
+        args, kwargs = self.cut(j)
+        return self.settings.grad_fn(*args, **kwargs)
+
+    def weight(self, j: jax.Array) -> jax.Array:
+        assert self.settings.weight_fn is not None
+        args, kwargs = self.cut(j)
+        return _check_weight(self.settings.weight_fn(*args, **kwargs))
+
+
+def _body(micro, kinds, dtype, j, carry):
+    """Micro-batch `j` folded into the carry: its outputs by their kinds,
+    its weight (with `weight_fn`) into the running weight."""
+    acc, weight_sum, weights = carry
+    axis_name, settings = micro.axis_name, micro.settings
+    terms: Weights | None = None
+    if settings.weight_fn is not None:
+        w = micro.weight(j).astype(dtype)
+        terms = Accumulator(settings.mean, True).weigh(weight_sum, w)
+        weight_sum = terms.total
+        weights = lax.dynamic_update_index_in_dim(weights, w, j, axis=0)
+    combined = eqx.filter(micro.call(j), is_combined)
+    outs = jax.tree.leaves(combined)
+    if len(outs) != len(acc):
+        raise ValueError(
+            "grad_fn returned a different structure on its second trace: "
+            f"{len(outs)} arrays against {len(acc)}."
+        )
+    new = [k.fold(o, a, j, terms) for k, o, a in zip(kinds, outs, acc, strict=True)]
+    if axis_name is None:
+        return new, weight_sum, weights
+    _check_not_summed(combined, kinds, acc, axis_name)
+    new = [_match_varying(n, a) for n, a in zip(new, acc, strict=True)]
+    if settings.weight_fn is not None:
+        weight_sum = _match_varying(weight_sum, carry[1])
+        weights = _match_varying(weights, carry[2])
+    return new, weight_sum, weights
 
 
 def accumulate(
@@ -392,77 +429,20 @@ def accumulate(
     regather: bool = False,
 ) -> Looped:
     """The loop on this device's rows, inside `shard_map` over `axis_name`
-    where given. With `regather`, everything but the batch passes an
-    `optimization_barrier` with the micro-batch index in each iteration
-    (`_params_barrier`)."""
-    k, argnums = settings.num_microbatches, settings.batch_argnums
-    key_argnum = settings.key_argnum
-    if axis_name is not None:
-        args, kwargs = pcast_varying((args, kwargs), axis_name)
-    size = _rows(args, argnums, k)
-    # Rows (a * k + j) form micro-batch j: a device's rows stay its own in
-    # every micro-batch.
-    split = {i: jax.tree.map(lambda x: split_leading(x, k), args[i]) for i in argnums}
-    keys = None if key_argnum is None else jax.random.split(args[key_argnum], k)
-
-    def cut(j: jax.Array) -> tuple[list, dict[str, Any]]:
-        return _micro_batch(j, args, kwargs, split, keys, settings, axis_name, regather)
-
-    def call(j: jax.Array) -> PyTree:
-        call_args, call_kwargs = cut(j)
-        return settings.grad_fn(*call_args, **call_kwargs)
-
-    def weight_of(j: jax.Array) -> jax.Array:
-        assert settings.weight_fn is not None
-        call_args, call_kwargs = cut(j)
-        return _check_weight(settings.weight_fn(*call_args, **call_kwargs))
-
-    out_shape = eqx.filter_eval_shape(call, jnp.zeros((), jnp.int32))
+    where given (with `regather`: `_params_barrier`)."""
+    k = settings.num_microbatches
+    micro = _MicroBatches(settings, axis_name, args, kwargs, regather)
+    out_shape = eqx.filter_eval_shape(micro.call, jnp.zeros((), jnp.int32))
     kinds, acc_dtypes, structs, treedef, static = _plan_outputs(
-        out_shape, settings, rows=size // k
+        out_shape, settings, rows=micro.rows
     )
+    floating = zip(acc_dtypes, kinds, strict=True)
+    dtype = weight_dtype([d for d, kind in floating if isinstance(kind, Accumulator)])
     weighted = settings.weight_fn is not None
-    weights_dtype = weight_dtype(
-        [d for d, kind in zip(acc_dtypes, kinds, strict=True) if kind == "mean"]
-    )
-
-    def body(j: jax.Array, carry: tuple) -> tuple:
-        acc, weight_sum, weights = carry
-        terms = None
-        if weighted:
-            w = weight_of(j).astype(weights_dtype)
-            weight_sum, terms = weighted_fold_terms(weight_sum, w)
-            weights = lax.dynamic_update_index_in_dim(weights, w, j, axis=0)
-        combined = eqx.filter(call(j), is_combined)
-        outs = jax.tree.leaves(combined)
-        if len(outs) != len(acc):
-            raise ValueError(
-                "grad_fn returned a different structure on its second trace: "
-                f"{len(outs)} arrays against {len(acc)}."
-            )
-        new = []
-        if axis_name is not None:
-            _check_not_summed(combined, kinds, acc, axis_name)
-        for kind, out, a in zip(kinds, outs, acc, strict=True):
-            value = _fold_output(kind, j, out, a, terms)
-            new.append(value if axis_name is None else _match_varying(value, a))
-        if axis_name is not None and weighted:
-            weight_sum = _match_varying(weight_sum, carry[1])
-            weights = _match_varying(weights, carry[2])
-        return new, weight_sum, weights
-
-    init = _initial_carry(
-        structs, acc_dtypes, kinds, k, weights_dtype, axis_name, weighted
-    )
+    init = _initial_carry(structs, acc_dtypes, kinds, k, dtype, axis_name, weighted)
     bound = _loop_bound(settings.num_real_microbatches, k)
-    acc, weight_sum, weights = lax.fori_loop(0, bound, body, init)
-    return Looped(
-        kinds,
-        acc,
-        weight_sum,
-        weights if weighted else None,
-        bound,
-        structs,
-        treedef,
-        static,
+    acc, weight_sum, weights = lax.fori_loop(
+        0, bound, lambda j, carry: _body(micro, kinds, dtype, j, carry), init
     )
+    weights = weights if weighted else None
+    return Looped(kinds, acc, weight_sum, weights, bound, structs, treedef, static)

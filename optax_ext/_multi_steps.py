@@ -22,13 +22,11 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, PyTree
 
-from ._accumulate.arithmetic import (
-    check_accumulator_dtype,
-    weight_dtype,
-    zero_accumulator,
-)
+from ._accumulate.accumulator import Accumulator, weight_dtype
+from ._accumulate.arithmetic import check_accumulator_dtype, zero_accumulator
+from ._accumulate.branch import choose_form
 from ._accumulate.devices import device_state
-from ._accumulate.window import run_window
+from ._accumulate.window import MiniStep, Window, run_window
 from ._leaves import accumulated, restore_none
 from ._multi_steps_checks import (
     check_k,
@@ -49,7 +47,7 @@ from ._transformations import (
     with_extra_args,
 )
 from ._tree import saturating_increment
-from ._weighted import WeightedMultiStepsState, Weights, window_weights
+from ._weighted import WeightedMultiStepsState, window_weights
 
 
 def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
@@ -190,7 +188,7 @@ class MultiSteps(Configured):
     ):
         check_transformation(opt, "opt")
         use_grad_mean = check_use_grad_mean(use_grad_mean)
-        self._weighted = check_weighted(weighted, use_grad_mean)
+        self._weighted = check_weighted(weighted)
         self._opt = with_extra_args(opt)
         # As given: `apply_gradients` fuses through a nested MultiSteps or
         # skip_when, which `with_extra_args` would hide.
@@ -211,6 +209,12 @@ class MultiSteps(Configured):
             self._weighted,
         )
         self._devices = device_state(axis_name)
+        self._window = Window(
+            self._opt,
+            opt,
+            self._devices,
+            Accumulator(self._use_grad_mean, self._weighted),
+        )
         # `check_state_structure`'s answers by the avals of its template.
         self._inner_structures: dict[tuple, Any] = {}
 
@@ -323,34 +327,25 @@ class MultiSteps(Configured):
         given, all_params = grads, params
         method = "apply_gradients" if fused else "update"
         step = prepare_step(self, grads, state, params, extra_args, method)
-        grads, params = step.grads, step.params
         mini_step = jnp.asarray(state.mini_step)
         gradient_step = jnp.asarray(state.gradient_step)
-        should_skip, skip_state, weights, window_end = self._decide(step, state, emit)
-        grad_dtypes = jax.tree.map(lambda g: jnp.result_type(g), grads)
+        skip_state, stored, decided = self._decide(step, state, emit)
+        form = choose_form(fused, emit, self._devices.per_device)
         result, inner_state, acc, emitted = run_window(
-            window_end,
-            should_skip,
-            weights,
-            grads,
+            self._window,
+            form,
+            fused,
+            decided,
+            step,
             state.acc_grads,
-            mini_step,
             state.inner_opt_state,
-            params,
-            step.extra_args,
-            inner=self._opt,
-            fusable_inner=self._fusable_inner,
-            devices=self._devices,
-            grad_dtypes=grad_dtypes,
-            mean=self._use_grad_mean,
-            fused=fused,
-            emit=emit,
         )
         result = (
             merge_trainable(all_params, result)
             if fused
             else restore_none(given, result)
         )
+        should_skip, window_end = decided.should_skip, decided.window_end
         mini, gradient = _next_counters(
             window_end, emitted, should_skip, mini_step, gradient_step
         )
@@ -363,9 +358,9 @@ class MultiSteps(Configured):
             acc_grads=acc,
             skip_state=self._devices.add_axis(skip_state),
         )
-        if weights is None:
+        if decided.weights is None:
             return result, optax.MultiStepsState(**fields)
-        running = jnp.where(should_skip, weights.stored, weights.total)
+        running = jnp.where(should_skip, stored, decided.weights.total)
         acc_weight = jnp.where(window_end, jnp.zeros_like(running), running)
         return result, WeightedMultiStepsState(
             **fields, acc_weight=self._devices.add_axis(acc_weight)
@@ -376,10 +371,11 @@ class MultiSteps(Configured):
         step: Any,
         state: optax.MultiStepsState | WeightedMultiStepsState,
         emit: bool | None,
-    ) -> tuple[jax.Array, PyTree, Weights | None, jax.Array]:
-        """Whether this mini-step is skipped (and the skip function's
-        state), the window's weights (weighted) and whether the mini-step
-        ends its window: at `k` accepted mini-steps, or as `emit` says."""
+    ) -> tuple[PyTree, jax.Array | None, MiniStep]:
+        """The skip function's state, the state's running weight (weighted)
+        and this mini-step's decisions: whether it is skipped, its weights
+        and whether it ends its window (at `k` accepted mini-steps, or as
+        `emit` says)."""
         mini_step = jnp.asarray(state.mini_step)
         skip_fn = self._should_skip_update_fn
         should_skip, skip_state = skip_decision(
@@ -391,14 +387,16 @@ class MultiSteps(Configured):
         )
         if skip_fn is not None:
             should_skip = self._devices.agree(should_skip)
-        weights = None
+        stored = weights = None
         if self._weighted:
             # `check_step` saw its float `acc_weight`.
             acc_weight = cast(WeightedMultiStepsState, state).acc_weight
-            weights = window_weights(acc_weight, step.weight, mini_step)
+            stored, weights = window_weights(
+                self._window.accumulator, acc_weight, step.weight, mini_step
+            )
         ends = _window_complete(mini_step, step.k) if emit is None else emit
         window_end = jnp.logical_and(jnp.logical_not(should_skip), ends)
-        return should_skip, skip_state, weights, window_end
+        return skip_state, stored, MiniStep(window_end, should_skip, mini_step, weights)
 
     def optax_state(
         self, state: optax.MultiStepsState | WeightedMultiStepsState

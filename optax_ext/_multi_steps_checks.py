@@ -79,12 +79,6 @@ _MSG_WEIGHT_HELD = (
     "flushes a smaller one to 0. Only the weights' ratios matter: scale them "
     "all alike."
 )
-_MSG_WEIGHTED_SUM = (
-    "MultiSteps(weighted=True) emits the weighted mean of the window's "
-    "gradients; it takes no use_grad_mean=False. For the gradient of a sum over "
-    "the window's tokens, scale the inner optimizer's learning rate by the "
-    "window's weight instead."
-)
 _MSG_NO_ACC_WEIGHT = (
     "{}'s `{}` has no acc_weight: got {}, not the WeightedMultiStepsState that "
     "its init returns. Build the state with this MultiSteps' init."
@@ -277,13 +271,11 @@ def _check_weighted(state: Any, weight: Any, weighted: bool, method: str) -> Any
     return weight
 
 
-def check_weighted(weighted: Any, use_grad_mean: Any) -> bool:
+def check_weighted(weighted: Any) -> bool:
     if not isinstance(weighted, bool | np.bool_):
         raise TypeError(
             f"weighted must be True or False, got {describe_value(weighted)}."
         )
-    if weighted and not use_grad_mean:
-        raise ValueError(_MSG_WEIGHTED_SUM)
     return bool(weighted)
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._accumulate.arithmetic import weighted_fold_terms
+from ._accumulate.accumulator import Accumulator, Weights
 
 
 class WeightedMultiStepsState(NamedTuple):
@@ -36,18 +36,12 @@ class WeightedMultiStepsState(NamedTuple):
     or complex128 accumulators). With `axis_name`, this device's own."""
 
 
-class Weights(NamedTuple):
-    """One weighted mini-step's scalars (`window_weights`)."""
-
-    stored: jax.Array  # the state's running weight, as it came in
-    total: jax.Array  # the window's running weight with this mini-step's
-    folding: tuple[jax.Array, jax.Array, jax.Array]  # `fold_weighted`'s
-
-
-def window_weights(acc_weight: jax.Array, weight: Any, mini_step: jax.Array) -> Weights:
-    """The running weight after adding `weight`, and how `fold_weighted`
-    folds it in (`weighted_fold_terms`). A window's first mini-step starts
-    from 0, whatever the state holds."""
+def window_weights(
+    accumulator: Accumulator, acc_weight: jax.Array, weight: Any, mini_step: jax.Array
+) -> tuple[jax.Array, Weights]:
+    """The state's running weight as it came in, and how `weight` folds in
+    after it (`Accumulator.weigh`); a window's first mini-step starts from
+    0, whatever the state holds."""
     stored = acc_weight if jnp.ndim(acc_weight) == 0 else acc_weight[0]
     dtype = stored.dtype
     if not isinstance(weight, jax.Array):  # a Python or NumPy number: in
@@ -55,5 +49,4 @@ def window_weights(acc_weight: jax.Array, weight: Any, mini_step: jax.Array) -> 
         weight = np.asarray(weight).astype(dtype)
     w = lax.convert_element_type(weight, dtype)
     before = jnp.where(mini_step == 0, jnp.zeros((), dtype), stored)
-    total, folding = weighted_fold_terms(before, w)
-    return Weights(stored, total, folding)
+    return stored, accumulator.weigh(before, w)

@@ -50,19 +50,34 @@ def token_mean_loss(params, batch):
     return jnp.sum(nll * mask) / jnp.sum(mask)
 
 
-def _grad64(params, batch):
+def token_sum_loss(params, batch):
+    """The sum over the batch's non-padding tokens of the cross-entropy."""
+    return token_mean_loss(params, batch) * jnp.sum(batch["mask"])
+
+
+def _grad64(params, batch, loss):
     params = jax.tree.map(lambda p: p.astype(jnp.float64), params)
-    return jax.grad(token_mean_loss)(params, batch)
+    return jax.grad(loss)(params, batch)
 
 
-_jitted_grad64 = jax.jit(_grad64)
+_jitted_grad64 = jax.jit(_grad64, static_argnums=2)
 
 
-def grad(params, batch):
-    """The token-mean gradient, computed in float64 and rounded to float32."""
+def grad(params, batch, loss=token_mean_loss):
+    """The token-mean gradient (or `loss`'s), computed in float64 and
+    rounded to float32."""
     with jax.enable_x64(True):
-        g = _jitted_grad64(params, {k: jnp.asarray(v) for k, v in batch.items()})
+        batch = {k: jnp.asarray(v) for k, v in batch.items()}
+        g = _jitted_grad64(params, batch, loss)
         return jax.tree.map(lambda v: np.asarray(v, np.float32), g)
+
+
+def sum_grad(params, batch):
+    """The gradient of the token-summed loss, in float64, rounded to float32;
+    zeros for an all-padding batch."""
+    if tokens(batch) == 0:
+        return jax.tree.map(lambda p: np.zeros(p.shape, np.float32), params)
+    return grad(params, batch, token_sum_loss)
 
 
 def tokens(batch):

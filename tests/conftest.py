@@ -123,18 +123,14 @@ def _skip_multidevice(items):
 
 
 @pytest.fixture(params=["conditional", "every step"])
-def window_form(request, monkeypatch):
+def window_form(request):
     """Runs a test with each form of the drop-in's step: the inner
     optimizer in a conditional, or on every step with its results
     selected (as on GPUs and TPUs). Which one a program gets depends on
-    the backend and jaxlib's version
-    (`optax_ext/_accumulate/window.drop_in_in_conditional`), so the tests
-    that take this fixture check both, whatever runs them. JAX's caches
-    are cleared around it: a trace of the other form must not be reused."""
-    from optax_ext._accumulate import window
+    the backend (`optax_ext/_accumulate/xla.drop_in_in_conditional`), so
+    the tests that take this fixture check both, whatever runs them."""
+    from optax_ext._accumulate import xla
 
-    conditional = request.param == "conditional"
-    jax.clear_caches()
-    monkeypatch.setattr(window, "drop_in_in_conditional", lambda p: conditional)
-    yield request.param
-    jax.clear_caches()
+    platforms = {"cpu", "cuda", "rocm", "tpu"} if request.param == "conditional" else ()
+    with xla.using(drop_in_conditional_on=frozenset(platforms)):
+        yield request.param

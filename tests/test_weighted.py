@@ -371,9 +371,7 @@ def test_state_of_the_other_kind_is_refused():
         )
 
 
-def test_weighted_sum_is_refused():
-    with pytest.raises(ValueError, match="use_grad_mean=False"):
-        optax_ext.MultiSteps(optax.sgd(1.0), 2, use_grad_mean=False, weighted=True)
+def test_weighted_must_be_a_bool():
     with pytest.raises(TypeError, match="weighted must be True or False"):
         optax_ext.MultiSteps(optax.sgd(1.0), 2, weighted="yes")
 

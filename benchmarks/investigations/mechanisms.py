@@ -26,7 +26,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,7 +39,7 @@ import optax  # noqa: E402
 from _timing import machine, time_interleaved  # noqa: E402
 
 import optax_ext  # noqa: E402
-from optax_ext._accumulate import branch, window  # noqa: E402
+from optax_ext._accumulate import xla  # noqa: E402
 
 K = 4
 INNER = {
@@ -57,45 +56,36 @@ LAYOUTS = {
 }
 
 
-# variant: (what it switches off, the patches: (object, attribute, new value))
+# variant: (what it switches off, its `xla.Mechanisms` changes)
 VARIANTS = {
-    "all": ("every mechanism on", ()),
+    "all": ("every mechanism on", {}),
     "no barrier": (
         "the optimization barrier on the running branch's scalars",
-        ((branch, "_scalar_barrier", lambda tree, ran: (tree, ran)),),
+        {"scalar_barrier": False},
     ),
     "no distinct zeros": (
         "zeros of their own for each large leaf (drop-in)",
-        ((branch, "distinct_zeros", lambda avals, seed: _plain(avals)),),
+        {"distinct_zeros": False},
     ),
     "no CPU state order": (
         "on XLA:CPU, a state leaf whose old value the updates read after them",
-        ((branch, "_state_after_updates", lambda leaves, n, to_order: leaves),),
+        {"state_after_updates": False},
+    ),
+    "no TPU fold apart": (
+        "on XLA:TPU, the drop-in's small accumulator leaves behind barriers",
+        {"fold_apart": False},
     ),
     "drop-in in a conditional": (
         "on GPUs and TPUs, the inner optimizer on every mini-step of the "
         "drop-in, its results selected: a conditional instead, as XLA:CPU's",
-        ((window, "drop_in_in_conditional", lambda platform: True),),
+        {"drop_in_conditional_on": frozenset({"cpu", "cuda", "rocm", "tpu"})},
     ),
 }
-_ORIGINAL_DISTINCT_ZEROS = branch.distinct_zeros
 
 
-def _plain(avals):
-    return _ORIGINAL_DISTINCT_ZEROS(avals, None)
-
-
-@contextlib.contextmanager
-def patched(variant: str) -> Iterator[None]:
-    saved = []
-    for target, name, value in VARIANTS[variant][1]:
-        saved.append((target, name, getattr(target, name)))
-        setattr(target, name, value)
-    try:
-        yield
-    finally:
-        for target, name, value in reversed(saved):
-            setattr(target, name, value)
+def patched(variant: str) -> contextlib.AbstractContextManager:
+    """The step traced with `variant`'s mechanisms switched off."""
+    return xla.using(**VARIANTS[variant][1])
 
 
 def _step(opt, form):

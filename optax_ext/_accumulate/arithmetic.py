@@ -1,12 +1,6 @@
-"""The arithmetic of gradient accumulation, shared by the in-step form
-(`microbatched`) and the across-steps one (`MultiSteps`): the dtype a leaf
-accumulates in (`accumulator_dtype_for`), the running mean or sum (`fold`),
-the weighted running mean (`weighted_fold_terms`, `fold_weighted`), and the
-float32 working dtype of narrow floats (`work_dtype`, `widen`). On the same
-micro-batches the two forms compute the same arithmetic because they call
-these: the same bits for the running mean (tested); a weighted fold's
-division by the running weight XLA may compile as a multiply by its
-reciprocal in one program and not in the other (1 ulp).
+"""The dtypes of gradient accumulation, shared by `microbatched` and
+`MultiSteps`: the dtype a leaf accumulates in (`accumulator_dtype_for`) and
+the float32 working dtype of narrow floats (`work_dtype`, `widen`).
 """
 
 from __future__ import annotations
@@ -170,89 +164,6 @@ def widen(x: jax.Array, dtype: Any) -> jax.Array:
         lax.convert_element_type(x, jnp.float32), fi.nexp, fi.nmant
     )
     return lax.convert_element_type(exact, dtype)  # float32 widens exactly
-
-
-def fold(
-    g: jax.Array,
-    acc: jax.Array,
-    index: jax.Array,
-    mean: bool,
-    *,
-    may_be_first: bool = True,
-) -> jax.Array:
-    """`acc` with `g` folded in as the `index`-th value (counted from 0): the
-    running mean (Welford, `acc + (g - acc) / (index + 1)`) or the sum. The
-    first value is *selected*, so even a buffer holding a NaN (a state saved
-    by optax.MultiSteps, say) starts clean; with `may_be_first=False` the
-    caller knows `index > 0` and there is no select. float16 and bfloat16
-    accumulators are updated in float32 and rounded once (`work_dtype`)."""
-    # lax, not jnp: no per-leaf `jit` of jnp's functions to trace and inline.
-    work = work_dtype(acc.dtype)
-    g = widen(jnp.asarray(g), work)
-    old = lax.convert_element_type(acc, work)
-    if mean:
-        count = lax.convert_element_type(index + 1, work)
-        running = lax.add(old, lax.div(lax.sub(g, old), count))
-    else:
-        running = lax.add(old, g)
-    if may_be_first:
-        running = lax.select(index == 0, g, running)
-    return lax.convert_element_type(running, acc.dtype)
-
-
-def weight_dtype(accumulators: PyTree) -> Any:
-    """The dtype of a weighted running mean's weights, for floating
-    accumulators (arrays or dtypes): float32, or float64 where one works in
-    float64 or complex128 (the ratio of weights divides gradients in that
-    dtype)."""
-    for acc in jax.tree.leaves(accumulators):
-        if jnp.finfo(work_dtype(jnp.result_type(acc))).bits == 64:  # complex128 too
-            return jnp.dtype(jnp.float64)
-    return jnp.dtype(jnp.float32)
-
-
-def weighted_fold_terms(
-    before: jax.Array, weight: jax.Array
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    """The running weight `W` after adding `weight` to `before` (the weight
-    folded so far), and `fold_weighted`'s `(first, nothing, scale)`: nothing
-    folded before, `weight == 0`, and `W / weight`, computed with the weight
-    replaced by 1 where it is 0 (it is then not used), so no NaN or `inf`."""
-    total = before + weight
-    nothing = weight == 0
-    scale = total / jnp.where(nothing, jnp.ones_like(weight), weight)
-    return total, (before == 0, nothing, scale)
-
-
-def fold_weighted(
-    g: jax.Array,
-    acc: jax.Array,
-    first: jax.Array,
-    nothing: jax.Array,
-    scale: jax.Array,
-) -> jax.Array:
-    """`acc` with `g` folded in at weight `w`: the weighted running mean
-    `acc + (g - acc) / (W / w)`, `W` the running weight with `w`; `g` is
-    *selected* where nothing came before (`first`), and `acc` kept where
-    `w == 0` (`nothing`), so a weight-0 gradient, even a NaN one, leaves no
-    trace."""
-    work = work_dtype(acc.dtype)
-    g = widen(jnp.asarray(g), work)
-    old = lax.convert_element_type(acc, work)
-    scale = lax.broadcast_in_dim(lax.convert_element_type(scale, work), old.shape, ())
-    running = lax.add(old, lax.div(lax.sub(g, old), scale))
-    new = lax.convert_element_type(lax.select(first, g, running), acc.dtype)
-    return lax.select(nothing, acc, new)
-
-
-def as_gradient_dtype(mean: jax.Array, dtype: Any) -> jax.Array:
-    """An accumulated mean (or sum) back in the gradients' `dtype`. A
-    complex accumulator of real gradients holds a zero imaginary part,
-    dropped by `real` (a complex-to-real cast warns in JAX and is to
-    raise)."""
-    if jnp.iscomplexobj(mean) and not jnp.issubdtype(dtype, jnp.complexfloating):
-        mean = lax.real(mean)
-    return mean.astype(dtype)
 
 
 def is_real_scalar(value: Any) -> bool:

@@ -1,19 +1,15 @@
-"""Running an inner optimizer on some steps only, in one `lax.cond` that
-XLA keeps as written on every backend.
-
-`update_if` runs `inner_update` where `pred` holds; elsewhere the inner
-state (and, fused, the params) pass through the other branch untouched, or
-it returns zeros of the updates' types. The running branch opens with an
-optimization barrier so that no backend turns the conditional into
-selects, and nothing computed before the conditional is routed through it
-(`docs/design.md`, "The plain form").
+"""Running an inner optimizer on some steps only: `update_if`, in the form
+a step chooses (`Form`). In a conditional, the running branch opens with an
+optimization barrier so that no backend turns it into selects, and nothing
+computed before it is routed through it (`docs/design.md`, "The plain
+form"); the compiler-facing details are `xla`'s.
 """
 
 from __future__ import annotations
 
-import math
+import enum
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,14 +18,26 @@ from jax.extend import core as jex_core
 from jaxtyping import PyTree
 
 from .._leaves import is_typed_key
-from .._sharding import (
-    aval_varying_axes,
-    cast_varying,
-    sharded_type,
-    typed_sharding,
-    varying_axes,
-)
 from .._tree import cast_like, check_same_shapes
+from . import xla
+
+
+class Form(enum.Enum):
+    """Where the inner optimizer runs."""
+
+    CONDITIONAL = "conditional"  # in one `lax.cond`, on the steps it runs
+    SELECTED = "selected"  # on every step, its results selected
+    PER_PLATFORM = "per platform"  # the drop-in: `xla.drop_in_in_conditional`
+    FOLD = "fold"  # not at all: the host says the window goes on
+
+
+def choose_form(fused: bool, emit: bool | None, per_device: bool) -> Form:
+    """The form of a `MultiSteps` step: as the host's `emit` says; else in
+    a conditional for `apply_gradients` and per device (which holds the
+    window's all-reduce), and per platform for the drop-in `update`."""
+    if emit is not None:
+        return Form.SELECTED if emit else Form.FOLD
+    return Form.CONDITIONAL if fused or per_device else Form.PER_PLATFORM
 
 
 def _trace_once(step: Callable, operands: tuple) -> tuple[Callable, Any, Any]:
@@ -50,50 +58,18 @@ def _trace_once(step: Callable, operands: tuple) -> tuple[Callable, Any, Any]:
     return call, jax.tree.structure(traced.out_info), traced.jaxpr
 
 
-def update_if(
-    pred: jax.Array,
-    inner_update: Callable[..., tuple[PyTree, PyTree]],
-    operands: tuple,
-    inner_state: PyTree,
-    *,
-    carry: PyTree = None,
-    counter: tuple[jax.Array, jax.Array] | None = None,
-    selected_on: Callable[[str], bool] | None = None,
-) -> tuple[PyTree, PyTree, jax.Array | None]:
-    """`inner_update(*operands, inner_state)` where `pred`, else zero
-    updates and `inner_state` as it came in.
+class _Traced(NamedTuple):
+    """The step `update_if` runs, traced once (`_trace_once`)."""
 
-    The zeros have the dtypes of the inner optimizer's updates, and the new
-    state is conformed to the old one's avals, so both branches agree
-    exactly and the caller's state never changes type. Under `vmap` with a
-    batched `pred` the `cond` becomes a select. `inner_update` is traced
-    once.
+    call: Callable
+    out_def: Any
+    out_avals: list[Any]
+    n_updates: int  # the updates' (or carry's) leaves, before the state's
+    to_order: list[bool]  # `xla.old_value_read_first`
 
-    With `carry` (the params of a fused train step), `inner_update` is
-    called as `inner_update(*operands, inner_state, carry)` and returns the
-    new carry in place of updates; where `pred` is false the carry comes
-    back as it went in.
 
-    With `counter`, a pair `(ran, kept)` of int32 scalars, the third output
-    is `ran` where the inner update ran and `kept` elsewhere, computed in
-    the branches (out of the running branch's barrier): a caller that
-    reads it (whether a `MultiSteps` window emitted) keeps the barrier,
-    and so the conditional, alive in XLA. `None` otherwise.
-
-    With `selected_on`, a function of the platform (`"cpu"`, `"cuda"`,
-    `"rocm"`, `"tpu"`) that the program is lowered for: where it is true
-    there is no conditional, `inner_update` runs on every call and its
-    results are selected by `pred` (traced once for both forms).
-    """
+def _traced(inner_update: Callable, operands: tuple, state: PyTree, carry) -> _Traced:
     carried = carry is not None
-    returns_count = counter is not None
-    known = known_bool(pred)
-    if known is not None and counter is None:
-        # Decided while tracing: no conditional (nor barrier) at all.
-        return (*_decided(known, inner_update, operands, inner_state, carry), None)
-    if counter is None:
-        counter = (jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
-    ran, kept = counter
 
     def step(operands, inner_state, carry):
         if carried:
@@ -103,72 +79,101 @@ def update_if(
             new_carry, new_state = inner_update(*operands, inner_state)
         return new_carry, conform_state(new_state, inner_state)
 
-    call, out_def, closed = _trace_once(step, (operands, inner_state, carry))
-    out_avals = closed.out_avals
-    n_state = len(jax.tree.leaves(inner_state))
-    n_updates = len(out_avals) - n_state
+    call, out_def, closed = _trace_once(step, (operands, state, carry))
+    n_state = len(jax.tree.leaves(state))
+    n_updates = len(closed.out_avals) - n_state
     # Inputs before the inner state: the values `step` closes over, then
     # the operands.
     first_state = len(closed.jaxpr.invars) - n_state - len(jax.tree.leaves(carry))
-    to_order = old_value_read_first(closed.jaxpr, first_state, n_state, n_updates)
-
-    def run(operands, inner_state, carry, seed):
-        # Not a cheap op: XLA:GPU turns a two-branch conditional whose ops
-        # are all cheap (an optimizer's elementwise arithmetic) into
-        # selects. On the scalars alone (the counters, a step count): around
-        # the arrays it kept XLA's partitioner from carrying their sharding
-        # into the branch (params sharded under `jit` were all-gathered).
-        (operands, inner_state), count = _scalar_barrier((operands, inner_state), ran)
-        leaves = jax.tree.leaves(call(operands, inner_state, carry))
-        # Evaluated eagerly, a constant output is a Python or NumPy value.
-        leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
-        leaves = _state_after_updates(leaves, n_updates, to_order)
-        return jax.tree.unflatten(out_def, leaves), count
-
-    def skip(operands, inner_state, carry, seed):
-        if carried:
-            return (carry, inner_state), kept
-        zeros = distinct_zeros(out_avals[:n_updates], seed)
-        updates_def = out_def.children()[0]
-        return (jax.tree.unflatten(updates_def, zeros), inner_state), kept
-
-    def conditional():
-        # The zeros' seed: any int32 scalar XLA cannot fold.
-        seed = lax.convert_element_type(pred, jnp.int32)
-        (result, new_state), count = lax.cond(
-            pred, run, skip, operands, inner_state, carry, seed
-        )
-        return result, new_state, count
-
-    def selected():
-        leaves = jax.tree.leaves(call(fold_apart(operands), inner_state, carry))
-        leaves = [cast_like(x, a) for x, a in zip(leaves, out_avals, strict=True)]
-        result, new_state = jax.tree.unflatten(out_def, leaves)
-        return (
-            *select_results(pred, (result, new_state), (carry, inner_state), carried),
-            jnp.where(pred, ran, kept),
-        )
-
-    result, new_state, count = _per_platform(selected_on, selected, conditional)
-    return result, new_state, count if returns_count else None
+    to_order = xla.old_value_read_first(closed.jaxpr, first_state, n_state, n_updates)
+    return _Traced(call, out_def, list(closed.out_avals), n_updates, to_order)
 
 
-def fold_apart(tree: PyTree) -> PyTree:
-    """`tree` (the folded accumulator, before the drop-in's inner optimizer
-    runs on every step) with each leaf of rank 0 or 1 behind an
-    optimization barrier of its own, on TPUs only (docs/design.md)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.ndim <= 1]
-    if not at:
-        return tree
-    arrays = lax.platform_dependent(
-        [leaves[i] for i in at],
-        tpu=lambda xs: [lax.optimization_barrier(x) for x in xs],
-        default=lambda xs: xs,
+def _called(traced: _Traced, operands: tuple, state: PyTree, carry) -> list:
+    leaves = jax.tree.leaves(traced.call(operands, state, carry))
+    # Evaluated eagerly, a constant output is a Python or NumPy value.
+    return [cast_like(x, a) for x, a in zip(leaves, traced.out_avals, strict=True)]
+
+
+def _conditional(pred, traced, operands, state, carry, counter) -> tuple:
+    """The step in one `lax.cond`: the running branch behind the scalar
+    barrier, the other returning the carry (or distinct zeros) and the
+    state as they came in."""
+    ran, kept = counter
+
+    def run(operands, state, carry, seed):
+        (operands, state), count = xla.scalar_barrier((operands, state), ran)
+        leaves = _called(traced, operands, state, carry)
+        leaves = xla.state_after_updates(leaves, traced.n_updates, traced.to_order)
+        return jax.tree.unflatten(traced.out_def, leaves), count
+
+    def skip(operands, state, carry, seed):
+        if carry is not None:
+            return (carry, state), kept
+        zeros = xla.distinct_zeros(traced.out_avals[: traced.n_updates], seed)
+        updates_def = traced.out_def.children()[0]
+        return (jax.tree.unflatten(updates_def, zeros), state), kept
+
+    # The zeros' seed: any int32 scalar XLA cannot fold.
+    seed = lax.convert_element_type(pred, jnp.int32)
+    (result, new_state), count = lax.cond(pred, run, skip, operands, state, carry, seed)
+    return result, new_state, count
+
+
+def _selected(pred, traced, operands, state, carry, counter) -> tuple:
+    """The step run unconditionally, its results selected by `pred`."""
+    leaves = _called(traced, operands, state, carry)
+    new = jax.tree.unflatten(traced.out_def, leaves)
+    result, new_state = select_results(pred, new, (carry, state), carry is not None)
+    return result, new_state, jnp.where(pred, *counter)
+
+
+def update_if(
+    pred: jax.Array,
+    inner_update: Callable[..., tuple[PyTree, PyTree]],
+    operands: tuple,
+    inner_state: PyTree,
+    *,
+    carry: PyTree = None,
+    counter: tuple[jax.Array, jax.Array] | None = None,
+    form: Form = Form.CONDITIONAL,
+) -> tuple[PyTree, PyTree, jax.Array | None]:
+    """`inner_update(*operands, inner_state)` where `pred`, else zero
+    updates and `inner_state` as it came in; the new state takes the old
+    one's avals, so the caller's state never changes type. `inner_update`
+    is traced once.
+
+    With `carry` (a fused step's params), `inner_update` also takes it and
+    returns the new carry in place of updates; where `pred` is false the
+    carry comes back as it went in. With `counter`, a pair `(ran, kept)` of
+    int32 scalars, the third output is `ran` where the inner update ran and
+    `kept` elsewhere, computed in the branches: a caller that reads it
+    keeps the running branch's barrier, and so the conditional, alive.
+    """
+    known = known_bool(pred)
+    if known is not None and counter is None:
+        # Decided while tracing: no conditional (nor barrier) at all.
+        return (*_decided(known, inner_update, operands, inner_state, carry), None)
+    one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
+    args = (
+        pred,
+        _traced(inner_update, operands, inner_state, carry),
+        operands,
+        inner_state,
+        carry,
+        counter or (one, zero),
     )
-    for i, x in zip(at, arrays, strict=True):
-        leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves)
+    if form is Form.SELECTED:
+        result, new_state, count = _selected(*args)
+    elif form is Form.PER_PLATFORM:
+        # On every step (GPUs, TPUs), the small folded leaves kept apart.
+        apart = (*args[:2], xla.fold_apart(operands), *args[3:])
+        result, new_state, count = _per_platform(
+            lambda: _selected(*apart), lambda: _conditional(*args)
+        )
+    else:
+        result, new_state, count = _conditional(*args)
+    return result, new_state, None if counter is None else count
 
 
 def _decided(
@@ -201,23 +206,17 @@ def select_results(
     return result, new_state
 
 
-def _per_platform(
-    selected_on: Callable[[str], bool] | None,
-    selected: Callable[[], Any],
-    conditional: Callable[[], Any],
-) -> Any:
-    """`conditional()`, or `selected()` on the platforms `selected_on`
-    names, chosen when the program is lowered; with jit disabled, for
-    this backend."""
-    if selected_on is None:
-        return conditional()
+def _per_platform(selected: Callable[[], Any], conditional: Callable[[], Any]) -> Any:
+    """`conditional()` on the platforms `xla.drop_in_in_conditional` names,
+    `selected()` on the others, chosen when the program is lowered; with
+    jit disabled, for this backend."""
+
+    def pick(platform: str) -> Callable[[], Any]:
+        return conditional if xla.drop_in_in_conditional(platform) else selected
+
     if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
-        # Run here, on this backend: no other to lower for.
-        return selected() if selected_on(jax.default_backend()) else conditional()
-    forms = {
-        p: selected if selected_on(p) else conditional
-        for p in ("cpu", "cuda", "rocm", "tpu")
-    }
+        return pick(jax.default_backend())()
+    forms = {p: pick(p) for p in ("cpu", "cuda", "rocm", "tpu")}
     return lax.platform_dependent(**forms, default=selected)
 
 
@@ -234,172 +233,6 @@ def _zeros_of(inner_update: Callable, operands: tuple, inner_state: PyTree) -> P
     """Zeros of the types of `inner_update`'s updates, without running it."""
     shapes, _ = jax.eval_shape(inner_update, *operands, inner_state)
     return jax.tree.map(lambda s: lax.full(s.shape, 0, s.dtype), shapes)
-
-
-def _first_bits(x: jax.Array) -> jax.Array | None:
-    """The bits of the first element of `x` as a uint32 scalar (of its real
-    part if complex); `None` where `x` is empty or has no bit cast."""
-    if x.size == 0 or not jnp.issubdtype(x.dtype, jnp.number):
-        return None
-    first = lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ())
-    if jnp.issubdtype(first.dtype, jnp.complexfloating):
-        first = lax.real(first)
-    width = jnp.dtype(first.dtype).itemsize * 8
-    if width not in (8, 16, 32, 64):
-        return None
-    bits = lax.bitcast_convert_type(first, jnp.dtype(f"uint{width}"))
-    return lax.convert_element_type(bits, jnp.uint32)
-
-
-def read_token(tree: PyTree) -> jax.Array | None:
-    """A bool scalar, `True` whatever the values, that XLA computes after
-    every array of `tree` (it reads one element of each) and cannot fold:
-    what is selected by it is ordered after them. `None` where no leaf can
-    be read (no number arrays, or one sharded in its type: `Explicit` axes
-    or inside `shard_map`, where one element has no type)."""
-    leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-    if any(varying_axes(x) or typed_sharding(x) for x in leaves):
-        return None
-    bits = [b for b in map(_first_bits, leaves) if b is not None]
-    if not bits:
-        return None
-    # `b | 1 != 0`: true for every value, yet not foldable by XLA; computed
-    # once (a barrier), not inside each loop that selects by it.
-    v = lax.concatenate([lax.reshape(b, (1,)) for b in bits], 0)
-    ones = lax.ne(lax.bitwise_or(v, lax.full_like(v, 1)), lax.full_like(v, 0))
-    return lax.optimization_barrier(lax.reduce_and(ones, (0,)))
-
-
-def old_value_read_first(
-    jaxpr: Any, first_state: int, n_state: int, n_updates: int
-) -> list[bool]:
-    """For each state output of the inner step's `jaxpr` (outputs: the
-    updates, then the state; inputs from `first_state` on: the old state),
-    whether the updates read the old value and not the new one (Lion's
-    `mu`): the leaves `_state_after_updates` orders. An equation counts as
-    reading all its inputs for all its outputs (a nested call too)."""
-    needed = {v for v in jaxpr.outvars[:n_updates] if isinstance(v, jex_core.Var)}
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in needed for v in eqn.outvars):
-            needed |= {v for v in eqn.invars if isinstance(v, jex_core.Var)}
-    old = jaxpr.invars[first_state : first_state + n_state]
-    new = jaxpr.outvars[n_updates:]
-    return [
-        o in needed and (not isinstance(n, jex_core.Var) or n not in needed)
-        for o, n in zip(old, new, strict=True)
-    ]
-
-
-def _state_after_updates(
-    leaves: list[Any], n_updates: int, to_order: list[bool]
-) -> list[Any]:
-    """On XLA:CPU, each new state array in `to_order` computed after every
-    update (or new params) leaf: XLA:CPU computes them in loops of their
-    own and, not knowing which comes first, copies a state leaf whose old
-    value the updates read (Lion's `mu`) rather than overwrite it, in the
-    running branch and, for the conditional's output, in the other; made to
-    follow a value read from every update, it is written in place. Other
-    backends compute both in one loop and need no order."""
-    at = [i for i in range(n_updates) if isinstance(leaves[i], jax.Array)]
-    ordered = [
-        i
-        for i in range(n_updates, len(leaves))
-        if to_order[i - n_updates]
-        and isinstance(leaves[i], jax.Array)
-        and leaves[i].size > 1
-        and not is_typed_key(leaves[i])
-        and jnp.issubdtype(leaves[i].dtype, jnp.number)
-    ]
-    # Inside `shard_map`, or with a leaf sharded in its type (`Explicit`
-    # axes, where one element has no type), no token: XLA may copy.
-    unreadable = any(varying_axes(x) or typed_sharding(x) for x in leaves)
-    if not at or not ordered or unreadable:
-        return leaves
-
-    def after(updates, state):
-        # The updates returned are the barrier's: computed once, before.
-        updates = lax.optimization_barrier(updates)
-        token = read_token(updates)
-        if token is None:
-            return updates, state
-        return updates, [lax.select(token, x, lax.full_like(x, 0)) for x in state]
-
-    updates, state = lax.platform_dependent(
-        [leaves[i] for i in at],
-        [leaves[i] for i in ordered],
-        cpu=after,
-        default=lambda u, s: (u, s),
-    )
-    out = list(leaves)
-    for i, x in zip([*at, *ordered], [*updates, *state], strict=True):
-        out[i] = x
-    return out
-
-
-def _scalar_barrier(tree: PyTree, ran: jax.Array) -> tuple[PyTree, jax.Array]:
-    """`tree` and `ran` with `ran` and every scalar leaf of `tree` passed
-    through one `lax.optimization_barrier`, grouped by the mesh axes they
-    vary over inside `jax.shard_map` (a barrier's outputs vary over all its
-    inputs' axes)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    scalars = [
-        i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.ndim == 0
-    ]
-    groups: dict[frozenset, list[int]] = {}
-    for i in scalars:
-        groups.setdefault(varying_axes(leaves[i]) or frozenset(), []).append(i)
-    out = list(leaves)
-    ran_axes = varying_axes(ran) or frozenset()
-    if ran_axes not in groups:
-        ran = lax.optimization_barrier(ran)
-    for axes, indices in groups.items():
-        values = [leaves[i] for i in indices]
-        if axes == ran_axes:
-            *values, ran = lax.optimization_barrier([*values, ran])
-        else:
-            values = lax.optimization_barrier(values)
-        for i, x in zip(indices, values, strict=True):
-            out[i] = x
-    return jax.tree.unflatten(treedef, out), ran
-
-
-# Leaves from this many elements get zeros of their own (`distinct_zeros`);
-# below it a copy of a shared broadcast costs less than one more kernel to
-# launch and to compile.
-DISTINCT_ZEROS_MIN_SIZE = 1 << 16
-
-
-def distinct_zeros(avals: list[Any], seed: jax.Array | None) -> list[jax.Array]:
-    """Zeros of `avals`, no two large ones one computation to XLA.
-
-    Zeros of one shape are one broadcast to XLA, which then copies it into
-    each output of the `cond` that holds it. Here leaf `i` of at least
-    `DISTINCT_ZEROS_MIN_SIZE` elements broadcasts `float(seed + i) * 0`, a
-    product XLA does not fold (it would not be 0 for an infinite factor),
-    and exactly `+0` for the finite factor it is: nothing to merge, each
-    written once, straight into its output. Without a traced `seed` plain
-    zeros."""
-    out = []
-    for i, aval in enumerate(avals):
-        dtype = jnp.dtype(aval.dtype)
-        small = math.prod(aval.shape) < DISTINCT_ZEROS_MIN_SIZE
-        if seed is None or small or not jnp.issubdtype(dtype, jnp.inexact):
-            zero = lax.full((), 0, dtype)
-        else:
-            real = jnp.finfo(dtype).dtype  # the real part's dtype for complex
-            factor = lax.convert_element_type(seed + i, real)
-            zero = lax.convert_element_type(factor * lax.full((), 0, real), dtype)
-        if sharded_type(aval):  # `Explicit` axes: the sharding is in the type
-            z = lax.full(aval.shape, zero, dtype, sharding=aval.sharding)
-        else:
-            z = lax.broadcast(zero, aval.shape)
-        # Inside `jax.shard_map` the running branch's outputs may vary over
-        # mesh axes (updates of params sharded over a manual axis).
-        axes = (aval_varying_axes(aval) or frozenset()) - (
-            varying_axes(z) or frozenset()
-        )
-        out.append(cast_varying(z, tuple(sorted(axes))) if axes else z)
-    return out
 
 
 def conform_state(new: PyTree, old: PyTree) -> PyTree:

@@ -14,7 +14,7 @@ from jaxtyping import PyTree
 
 from .._leaves import is_none
 from .._sharding import axis_names, summed_axes, varying_axes, varying_call
-from .arithmetic import work_dtype
+from .accumulator import Accumulator
 
 
 def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple[str, Any, Any]]:
@@ -39,6 +39,8 @@ def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple[str, Any, Any
 
 class SingleDeviceState:
     """Without `axis_name`: the state is the state; nothing to reduce."""
+
+    per_device = False
 
     def check_bound(self, method: str) -> None:
         del method
@@ -78,23 +80,22 @@ class SingleDeviceState:
     def agree(self, should_skip: jax.Array) -> jax.Array:
         return should_skip
 
-    def window_mean(self, acc: PyTree) -> PyTree:
-        """The window's accumulated gradients from the stored accumulator."""
-        return acc
-
-    def window_weighted_mean(
-        self, acc: PyTree, weight: jax.Array
+    def finish(
+        self, acc: PyTree, accumulator: Accumulator, weight: jax.Array | None
     ) -> tuple[PyTree, jax.Array | None]:
-        """The window's weighted mean and whether its weight is above 0:
-        `None` here, where the caller knows that before the window ends."""
-        del weight
+        """The window's accumulation from the stored accumulator, and
+        whether its weights sum to more than 0 (`None`: the caller knows
+        before the window ends)."""
+        del accumulator, weight
         return acc, None
 
 
 class PerDeviceState(SingleDeviceState):
     """With `axis_name`: `acc_grads` and `skip_state` hold this device's own
     values under a leading axis of length 1 (`P(axis_name)` outside
-    `shard_map`); the window's only collective is one `pmean`."""
+    `shard_map`); the window's only collective is one all-reduce."""
+
+    per_device = True
 
     def __init__(self, axis_name: Hashable):
         self.axis_name = axis_name
@@ -167,33 +168,21 @@ class PerDeviceState(SingleDeviceState):
         votes = lax.psum(should_skip.astype(jnp.int32), self.axis_name)
         return votes > 0
 
-    def window_mean(self, acc: PyTree) -> PyTree:
-        """This device's mean (or sum) averaged over the devices, in the
-        accumulator's dtype: the only collective of a window."""
-        wide = jax.tree.map(lambda a: a[0].astype(work_dtype(a.dtype)), acc)
-        mean = lax.pmean(wide, self.axis_name)
-        return jax.tree.map(lambda m, a: m.astype(a.dtype), mean, acc)
-
-    def window_weighted_mean(
-        self, acc: PyTree, weight: jax.Array
-    ) -> tuple[PyTree, jax.Array]:
-        """The weighted mean over every device's mini-steps: each device's
-        weighted mean times its weight, summed with the weights in one
-        all-reduce (the window's only collective) and divided by their sum;
-        zeros where that sum is 0 (the caller then applies nothing). A
-        device whose weight is 0 adds zeros, whatever its accumulator
-        holds."""
-
-        def part(a: jax.Array) -> jax.Array:
-            wide = a[0].astype(jnp.promote_types(work_dtype(a.dtype), weight.dtype))
-            scaled = wide * weight.astype(wide.dtype)
-            return jnp.where(weight > 0, scaled, jnp.zeros_like(scaled))
-
-        summed, total = lax.psum((jax.tree.map(part, acc), weight), self.axis_name)
-        keep = total > 0
-        safe = jnp.where(keep, total, jnp.ones_like(total))
-        mean = jax.tree.map(lambda s: s / safe.astype(s.dtype), summed)
-        return jax.tree.map(lambda m, a: m.astype(a.dtype), mean, acc), keep
+    def finish(
+        self, acc: PyTree, accumulator: Accumulator, weight: jax.Array | None
+    ) -> tuple[PyTree, jax.Array | None]:
+        """Every device's accumulators and weights meet in one all-reduce,
+        the window's only collective (`Accumulator.part`, `.whole`)."""
+        parts = jax.tree.map(lambda a: accumulator.part(a[0], weight), acc)
+        total = keep = None
+        if accumulator.weighted:
+            parts, total = lax.psum((parts, weight), self.axis_name)
+            keep = total > 0
+        else:
+            parts = lax.psum(parts, self.axis_name)
+        n = lax.axis_size(self.axis_name)
+        whole = jax.tree.map(lambda s: accumulator.whole(s, total, n), parts)
+        return jax.tree.map(lambda w, a: w.astype(a.dtype), whole, acc), keep
 
 
 def device_state(axis_name: Hashable | None) -> SingleDeviceState:

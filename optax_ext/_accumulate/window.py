@@ -1,19 +1,13 @@
-"""A `MultiSteps` mini-step: the gradients folded into the accumulator,
-then, where the window ends, the inner optimizer on the accumulator's mean
-in one conditional (`update_if`). A weighted window runs only where its
-weights sum to more than 0.
-
-The fold comes first and is the new accumulator: the train step's backward
-pass can fold each gradient as it produces it and free it. The
-conditional only reads the accumulator; it writes the inner state and
-(fused) the params. Nothing clears the accumulator: the next window's
-first fold overwrites it (`docs/design.md`, "The plain form").
+"""A `MultiSteps` mini-step: the gradients folded into the accumulator
+(`Accumulator.fold`), then, where the window ends, the inner optimizer on
+the window's accumulation in the step's `Form` (`update_if`). The fold
+comes first and is the new accumulator, which nothing clears: the next
+window's first fold overwrites it (`docs/design.md`, "The plain form").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -24,10 +18,27 @@ from jaxtyping import PyTree
 
 from .._leaves import is_none
 from .._transformations import merge_trainable, step_and_apply
-from .._weighted import Weights
-from .arithmetic import as_gradient_dtype, fold, fold_weighted
-from .branch import conform_state, select_results, update_if
-from .devices import PerDeviceState, SingleDeviceState
+from .accumulator import Accumulator, Weights, as_gradient_dtype
+from .branch import Form, update_if
+from .devices import SingleDeviceState
+
+
+class Window(NamedTuple):
+    """What a `MultiSteps` runs its mini-steps with."""
+
+    inner: optax.GradientTransformationExtraArgs
+    fusable_inner: Any  # the inner optimizer as given, for `step_and_apply`
+    devices: SingleDeviceState
+    accumulator: Accumulator
+
+
+class MiniStep(NamedTuple):
+    """One mini-step's decisions (`MultiSteps._decide`)."""
+
+    window_end: jax.Array
+    should_skip: jax.Array
+    index: jax.Array  # the state's `mini_step`
+    weights: Weights | None
 
 
 def _keep_or(keep: jax.Array, new: PyTree, old: PyTree) -> PyTree:
@@ -41,70 +52,48 @@ def _arrays_at(tree: PyTree, like: PyTree) -> PyTree:
     )
 
 
-def folded(
-    grads: PyTree,
-    acc: PyTree,
-    mini_step: jax.Array,
-    should_skip: jax.Array,
-    *,
-    mean: bool,
-    weights: Weights | None,
-    devices: SingleDeviceState,
-) -> PyTree:
-    """`acc` with `grads` folded in: the running mean (or sum), weighted
-    with `weights`; the window's first fold overwrites what `acc` held; a
-    skipped step keeps `acc`. The gradient gets the state's device axis
-    (if any)."""
+class _Inner:
+    """The inner optimizer on the window's accumulation, as `update_if`
+    calls it. Weighted and per device, whether the window's weights sum to
+    more than 0 is known only after the all-reduce, inside the step: the
+    state then travels with that decision (`wrap`, `unwrap`)."""
 
-    def one(g: jax.Array, a: jax.Array) -> jax.Array:
-        if weights is None:
-            new = fold(g, a, mini_step, mean)
-        else:
-            new = fold_weighted(g, a, *weights.folding)
-        return lax.select(should_skip, a, new)
+    def __init__(self, window: Window, inputs: Any, weights: Weights | None):
+        self.window, self.inputs = window, inputs
+        self.total = None if weights is None else weights.total
+        self.decides = weights is not None and window.devices.per_device
+        self.dtypes = jax.tree.map(lambda g: jnp.result_type(g), inputs.grads)
 
-    return jax.tree.map(one, devices.add_axis(grads), acc)
+    def wrap(self, state: PyTree) -> PyTree:
+        return (state, jnp.zeros((), jnp.bool_)) if self.decides else state
 
+    def unwrap(self, state: PyTree, ran: jax.Array) -> tuple[PyTree, jax.Array]:
+        return state if self.decides else (state, ran)
 
-def _inner_steps(
-    weights: Weights | None,
-    devices: SingleDeviceState,
-    grad_dtypes: PyTree,
-    inner: optax.GradientTransformationExtraArgs,
-    fusable_inner: Any,
-    params: PyTree | None,
-    extra_args: dict[str, Any],
-) -> tuple[Callable, Callable]:
-    """The inner optimizer on the accumulator's window mean: `update(acc,
-    state)` returns the updates and the new state, `apply(acc, state,
-    arrays)` the new params' arrays and the new state. Per device and
-    weighted, the state is paired with whether the window's weights sum
-    to more than 0, and where they do not the updates are zeros and the
-    state (and the params) as they came in."""
+    def _gradients(self, acc: PyTree) -> tuple[PyTree, jax.Array | None]:
+        w = self.window
+        value, keep = w.devices.finish(acc, w.accumulator, self.total)
+        return jax.tree.map(as_gradient_dtype, value, self.dtypes), keep
 
-    def as_gradients(mean_):
-        return jax.tree.map(as_gradient_dtype, mean_, grad_dtypes)
-
-    def window_grads(acc):
-        if weights is None:
-            return as_gradients(devices.window_mean(acc)), None
-        mean_, keep = devices.window_weighted_mean(acc, weights.total)
-        return as_gradients(mean_), keep
-
-    def inner_update(acc, state):
-        mean_, keep = window_grads(acc)
+    def update(self, acc: PyTree, state: PyTree) -> tuple[PyTree, PyTree]:
+        grads, keep = self._gradients(acc)
+        state = state[0] if self.decides else state
+        inputs = self.inputs
+        out, new = self.window.inner.update(
+            grads, state, inputs.params, **inputs.extra_args
+        )
         if keep is None:
-            return inner.update(mean_, state, params, **extra_args)
-        state, _ = state
-        out, new = inner.update(mean_, state, params, **extra_args)
+            return out, new
         out = jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), out)
         return out, (_keep_or(keep, new, state), keep)
 
-    def inner_apply(acc, state, arrays):
-        mean_, keep = window_grads(acc)
-        state = state if keep is None else state[0]
+    def apply(self, acc: PyTree, state: PyTree, arrays: PyTree) -> tuple[PyTree, Any]:
+        grads, keep = self._gradients(acc)
+        state = state[0] if self.decides else state
+        inputs = self.inputs
+        params = merge_trainable(inputs.params, arrays)
         new_params, new = step_and_apply(
-            fusable_inner, mean_, state, merge_trainable(params, arrays), **extra_args
+            self.window.fusable_inner, grads, state, params, **inputs.extra_args
         )
         new_arrays = _arrays_at(new_params, arrays)
         if keep is None:
@@ -112,133 +101,47 @@ def _inner_steps(
         new_arrays = _keep_or(keep, new_arrays, arrays)
         return new_arrays, (_keep_or(keep, new, state), keep)
 
-    return inner_update, inner_apply
-
-
-def _in_conditional(
-    pred: jax.Array,
-    step: Callable,
-    acc: PyTree,
-    state: PyTree,
-    carry: PyTree,
-    selected_on: Callable[[str], bool] | None = None,
-) -> tuple[PyTree, PyTree, jax.Array]:
-    """`step` in `update_if` (selected instead on the platforms
-    `selected_on` names), and whether it ran as the branches say: a value
-    read after the conditional keeps its barrier, and so the conditional,
-    alive in XLA."""
-    result, state_out, ran = update_if(
-        pred,
-        step,
-        (acc,),
-        state,
-        carry=carry,
-        counter=(jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)),
-        selected_on=selected_on,
-    )
-    return result, state_out, ran == 1
-
-
-def _selected(
-    pred: jax.Array, step: Callable, acc: PyTree, state: PyTree, carry: PyTree
-) -> tuple[PyTree, PyTree, jax.Array]:
-    """`step` run unconditionally, its results where `pred`, zero updates
-    (or the carry) and `state` as they came in elsewhere."""
-    carried = carry is not None
-    result, state_out = step(acc, state, carry) if carried else step(acc, state)
-    new = (result, conform_state(state_out, state))
-    return (*select_results(pred, new, (carry, state), carried), pred)
-
-
-def drop_in_in_conditional(platform: str) -> bool:
-    """Whether the drop-in `update` runs the inner optimizer in a
-    conditional on `platform` (`"cpu"`, `"cuda"`, `"rocm"`, `"tpu"`), rather
-    than on every step with its results selected, as optax.MultiSteps does.
-    Only XLA:CPU: on GPUs and TPUs a conditional that returns the updates
-    holds them in a buffer of their own, +0.74x the params over
-    optax.MultiSteps' train step on an H200 and +1.03x on a TPU v5e
-    (`docs/design.md`, "The plain form")."""
-    return platform == "cpu"
-
 
 def run_window(
-    window_end: jax.Array,
-    should_skip: jax.Array,
-    weights: Weights | None,
-    grads: PyTree,
-    acc: PyTree,
-    mini_step: jax.Array,
-    inner_state: PyTree,
-    params: PyTree | None,
-    extra_args: dict[str, Any],
-    *,
-    inner: optax.GradientTransformationExtraArgs,
-    fusable_inner: Any,
-    devices: SingleDeviceState,
-    grad_dtypes: PyTree,
-    mean: bool,
+    window: Window,
+    form: Form,
     fused: bool,
-    emit: bool | None = None,
+    step: MiniStep,
+    inputs: Any,
+    acc: PyTree,
+    inner_state: PyTree,
 ) -> tuple[PyTree, PyTree, PyTree, jax.Array]:
-    """One mini-step: `grads` folded into `acc` (kept where
-    `should_skip`), then `inner` on the window's mean (cast to
-    `grad_dtypes`, the gradients' dtypes) where the window ends. Returns the
-    updates (or, `fused`, the new params from
-    `step_and_apply(fusable_inner, ...)`), the inner state, the new
-    accumulator and whether the inner optimizer ran.
+    """One mini-step: `inputs.grads` folded into `acc` (kept where the step
+    is skipped), then the inner optimizer on the window's accumulation where
+    the window ends, in `form`. Returns the updates (`fused`: the new
+    params), the inner state, the new accumulator and whether the inner
+    optimizer ran."""
+    fold = window.accumulator.fold
 
-    The inner optimizer runs in one `update_if`, but for the drop-in on
-    GPUs and TPUs (`drop_in_in_conditional`; not per device, where the
-    conditional holds the window's all-reduce) and with `emit=True` (the
-    host knows the window ends): there it runs on every step, and a
-    traced reason not to (a window that goes on, a skipped step, a window
-    of weight 0) selects what came in, as optax.MultiSteps does.
-    `emit=False` only folds.
+    def one(g: jax.Array, a: jax.Array) -> jax.Array:
+        return lax.select(step.should_skip, a, fold(g, a, step.index, step.weights))
 
-    Weighted, whether the window's weights sum to more than 0 is known
-    before the conditional on one device; per device only after the
-    window's all-reduce, so the emitting branch selects the updates
-    (zeros), the inner state and the params as they came in where the sum
-    over the devices is 0, and hands the decision out with the inner
-    state."""
-    decided_inside = weights is not None and isinstance(devices, PerDeviceState)
-    pred = window_end
-    if weights is not None and not decided_inside:
-        pred = jnp.logical_and(window_end, weights.total > 0)
-    acc = folded(
-        grads,
-        acc,
-        mini_step,
-        should_skip,
-        mean=mean,
-        weights=weights,
-        devices=devices,
-    )
-
-    inner_update, inner_apply = _inner_steps(
-        weights, devices, grad_dtypes, inner, fusable_inner, params, extra_args
-    )
-    state_in = (
-        (inner_state, jnp.zeros((), jnp.bool_)) if decided_inside else inner_state
-    )
+    acc = jax.tree.map(one, window.devices.add_axis(inputs.grads), acc)
+    inner = _Inner(window, inputs, step.weights)
+    pred = step.window_end
+    if step.weights is not None and not inner.decides:
+        pred = jnp.logical_and(pred, step.weights.total > 0)
+    params = inputs.params
     # The params' arrays go through the conditional; their other leaves (an
     # Equinox model's Python numbers and functions) stay outside.
     arrays = _arrays_at(params, params) if fused else None
-
-    args = (pred, inner_apply if fused else inner_update, acc, state_in, arrays)
-    if emit is False:
+    state_in = inner.wrap(inner_state)
+    if form is Form.FOLD:
         result = arrays if fused else jax.tree.map(jnp.zeros_like, params)
         state_out, ran = state_in, pred
-    elif emit:
-        result, state_out, ran = _selected(*args)
-    elif fused or isinstance(devices, PerDeviceState):
-        # Per device the window's all-reduce stays in the conditional.
-        result, state_out, ran = _in_conditional(*args)
     else:
-        result, state_out, ran = _in_conditional(
-            *args, selected_on=lambda p: not drop_in_in_conditional(p)
+        counter = (jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
+        run = inner.apply if fused else inner.update
+        result, state_out, count = update_if(
+            pred, run, (acc,), state_in, carry=arrays, counter=counter, form=form
         )
+        ran = count == 1
     if fused:
         result = merge_trainable(params, result)
-    inner_state, emitted = state_out if decided_inside else (state_out, ran)
+    inner_state, emitted = inner.unwrap(state_out, ran)
     return result, inner_state, acc, emitted

@@ -1,0 +1,189 @@
+"""One accumulator for both accumulations: `MultiSteps` folds a mini-step's
+gradients into its state on each call, `microbatched` a micro-batch's output
+on each iteration of its loop. `Accumulator` says how a value is folded in
+(the running mean or the sum, each weighted or not) and how the devices'
+accumulators meet after the last fold (one all-reduce); both forms call it,
+so on the same values they compute the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .arithmetic import widen, work_dtype
+
+
+class Weights(NamedTuple):
+    """One weighted fold's scalars (`Accumulator.weigh`)."""
+
+    total: jax.Array  # the running weight, this value's included
+    first: jax.Array  # no weight came before: the value is selected
+    nothing: jax.Array  # this value's weight is 0: it is not read
+    scale: jax.Array  # `total / w` for the mean, `w` for the sum
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulator:
+    """The running mean (`mean=True`) or sum of the values folded in, each
+    value counted once or by its weight (`weighted=True`)."""
+
+    mean: bool = True
+    weighted: bool = False
+    reduced: ClassVar[bool] = True  # across devices, after the last fold
+
+    def weigh(self, before: jax.Array, weight: jax.Array) -> Weights:
+        """The scalars of folding a value of `weight` after `before` (the
+        weight folded so far); a weight of 0 is replaced by 1 where it
+        divides, so no NaN or `inf` is computed."""
+        total = before + weight
+        nothing = weight == 0
+        if self.mean:
+            scale = total / jnp.where(nothing, jnp.ones_like(weight), weight)
+        else:
+            scale = weight
+        return Weights(total, before == 0, nothing, scale)
+
+    def fold(
+        self, x: jax.Array, acc: jax.Array, index: jax.Array, weights: Weights | None
+    ) -> jax.Array:
+        """`acc` with `x` folded in as the `index`-th value (from 0), or
+        with `weights` where weighted."""
+        if weights is None:
+            return fold(x, acc, index, self.mean)
+        return _fold_weighted(x, acc, weights, self.mean)
+
+    def part(self, acc: jax.Array, weight: jax.Array | None) -> jax.Array:
+        """This device's share of the all-reduce that ends the accumulation:
+        its accumulator in at least float32, times its weight for a weighted
+        mean; zeros where a weighted device's weight is 0 (nothing read)."""
+        if not self.weighted:
+            return acc.astype(work_dtype(acc.dtype))
+        assert weight is not None
+        wide = acc.astype(jnp.promote_types(work_dtype(acc.dtype), weight.dtype))
+        if self.mean:
+            wide = wide * weight.astype(wide.dtype)
+        return jnp.where(weight > 0, wide, jnp.zeros_like(wide))
+
+    def whole(self, summed: jax.Array, total: jax.Array | None, devices: int) -> Any:
+        """The accumulation over every device from the sum of their `part`s:
+        the devices' mean unweighted (each device's gradient is a mean over
+        its rows), divided by the weights' sum (`total`, zeros where it is 0)
+        for a weighted mean, as it is for a weighted sum."""
+        if not self.weighted:
+            return summed / devices
+        if not self.mean:
+            return summed
+        assert total is not None
+        safe = jnp.where(total > 0, total, jnp.ones_like(total))
+        return summed / safe.astype(summed.dtype)
+
+
+class Count:
+    """`microbatched`'s integer outputs: summed over micro-batches and
+    devices."""
+
+    reduced = True
+
+    def fold(self, out: Any, acc: Any, j: Any, weights: Any) -> jax.Array:
+        return fold(out, acc, j, mean=False)
+
+    def part(self, acc: jax.Array, weight: Any) -> jax.Array:
+        return acc
+
+    def whole(self, summed: jax.Array, total: Any, devices: int) -> jax.Array:
+        return summed
+
+
+class AnyOf(Count):
+    """A bool output: whether it held on any micro-batch of any device."""
+
+    def fold(self, out: Any, acc: Any, j: Any, weights: Any) -> jax.Array:
+        return jnp.logical_or(acc, out)
+
+    def part(self, acc: jax.Array, weight: Any) -> jax.Array:
+        return acc.astype(jnp.int32)
+
+    def whole(self, summed: jax.Array, total: Any, devices: int) -> jax.Array:
+        return summed > 0
+
+
+class Rows:
+    """A per-example output: each micro-batch's rows, as they are."""
+
+    reduced = False
+
+    def fold(self, out: Any, acc: Any, j: Any, weights: Any) -> jax.Array:
+        return lax.dynamic_update_index_in_dim(acc, out, j, axis=1)
+
+
+class GradientRows(Rows):
+    """Rows of a gradient with respect to the batch, each micro-batch's
+    scaled by its share of what `accumulator` makes of the batch."""
+
+    def __init__(self, accumulator: Accumulator):
+        self.accumulator = accumulator
+
+
+def fold(
+    g: jax.Array,
+    acc: jax.Array,
+    index: jax.Array,
+    mean: bool,
+    *,
+    may_be_first: bool = True,
+) -> jax.Array:
+    """`acc` with `g` folded in as the `index`-th value (from 0): Welford's
+    running mean `acc + (g - acc) / (index + 1)`, or the sum. The first value
+    is selected, so a buffer holding a NaN starts clean; in float32 for
+    narrower floats, rounded once."""
+    # lax, not jnp: no per-leaf `jit` of jnp's functions to trace and inline.
+    work = work_dtype(acc.dtype)
+    g = widen(jnp.asarray(g), work)
+    old = lax.convert_element_type(acc, work)
+    if mean:
+        count = lax.convert_element_type(index + 1, work)
+        running = lax.add(old, lax.div(lax.sub(g, old), count))
+    else:
+        running = lax.add(old, g)
+    if may_be_first:
+        running = lax.select(index == 0, g, running)
+    return lax.convert_element_type(running, acc.dtype)
+
+
+def _fold_weighted(g: jax.Array, acc: jax.Array, w: Weights, mean: bool) -> jax.Array:
+    """`acc + (g - acc) / (W / w)` (the mean) or `acc + w g` (the sum); `g`
+    (times `w`) selected where nothing came before, `acc` kept where `w` is
+    0, so a weight-0 value, even NaN, leaves no trace."""
+    work = work_dtype(acc.dtype)
+    g = widen(jnp.asarray(g), work)
+    old = lax.convert_element_type(acc, work)
+    scale = lax.broadcast_in_dim(lax.convert_element_type(w.scale, work), old.shape, ())
+    if mean:
+        running, value = lax.add(old, lax.div(lax.sub(g, old), scale)), g
+    else:
+        value = lax.mul(g, scale)
+        running = lax.add(old, value)
+    new = lax.convert_element_type(lax.select(w.first, value, running), acc.dtype)
+    return lax.select(w.nothing, acc, new)
+
+
+def weight_dtype(accumulators: Any) -> Any:
+    """The dtype the weights are summed in: float32, or float64 where an
+    accumulator (an array or a dtype) works in float64 or complex128."""
+    for acc in jax.tree.leaves(accumulators):
+        if jnp.finfo(work_dtype(jnp.result_type(acc))).bits == 64:  # complex128 too
+            return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
+
+
+def as_gradient_dtype(value: jax.Array, dtype: Any) -> jax.Array:
+    """An accumulated value back in the gradients' `dtype` (a complex
+    accumulator of real gradients drops its zero imaginary part)."""
+    if jnp.iscomplexobj(value) and not jnp.issubdtype(dtype, jnp.complexfloating):
+        value = lax.real(value)
+    return value.astype(dtype)

@@ -1,0 +1,268 @@
+"""The XLA mechanisms of the accumulation, in one place: each keeps one
+backend's compiler from undoing what the code writes, and each can be
+switched off (`using`) to measure what it buys. The table of
+`docs/design.md` ("Mechanisms per backend and version") gives, for each,
+the backend and version that needs it, the figures, and the test that fails
+without it:
+
+- `drop_in_in_conditional`: where the drop-in `update` keeps its
+  conditional (XLA:CPU only).
+- `scalar_barrier`: an optimization barrier on the running branch's
+  scalars (XLA:GPU turns cheap conditionals into selects).
+- `distinct_zeros`: zeros XLA cannot merge into one broadcast and copy.
+- `state_after_updates`: on XLA:CPU, a state leaf whose old value the
+  updates read (Lion's `mu`) written after them, in place.
+- `fold_apart`: on XLA:TPU, small accumulator leaves kept out of the
+  inner optimizer's loops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jex_core
+from jaxtyping import PyTree
+
+from .._leaves import is_typed_key
+from .._sharding import (
+    aval_varying_axes,
+    cast_varying,
+    sharded_type,
+    typed_sharding,
+    varying_axes,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mechanisms:
+    """Which mechanisms are on (all, by default)."""
+
+    drop_in_conditional_on: frozenset[str] = frozenset({"cpu"})
+    scalar_barrier: bool = True
+    distinct_zeros: bool = True
+    state_after_updates: bool = True
+    fold_apart: bool = True
+
+
+_ACTIVE = [Mechanisms()]
+
+
+def active() -> Mechanisms:
+    return _ACTIVE[-1]
+
+
+@contextlib.contextmanager
+def using(**changes: Any) -> Iterator[Mechanisms]:
+    """Traces inside run with `changes` to the mechanisms (for benchmarks
+    and tests); JAX's caches are cleared on entry and exit."""
+    _ACTIVE.append(dataclasses.replace(active(), **changes))
+    jax.clear_caches()
+    try:
+        yield active()
+    finally:
+        _ACTIVE.pop()
+        jax.clear_caches()
+
+
+def drop_in_in_conditional(platform: str) -> bool:
+    """Whether the drop-in `update` runs the inner optimizer in a
+    conditional on `platform` (`"cpu"`, `"cuda"`, `"rocm"`, `"tpu"`) rather
+    than on every step with its results selected, as optax does."""
+    return platform in active().drop_in_conditional_on
+
+
+def _first_bits(x: jax.Array) -> jax.Array | None:
+    """The bits of the first element of `x` as a uint32 scalar (of its real
+    part if complex); `None` where `x` is empty or has no bit cast."""
+    if x.size == 0 or not jnp.issubdtype(x.dtype, jnp.number):
+        return None
+    first = lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ())
+    if jnp.issubdtype(first.dtype, jnp.complexfloating):
+        first = lax.real(first)
+    width = jnp.dtype(first.dtype).itemsize * 8
+    if width not in (8, 16, 32, 64):
+        return None
+    bits = lax.bitcast_convert_type(first, jnp.dtype(f"uint{width}"))
+    return lax.convert_element_type(bits, jnp.uint32)
+
+
+def read_token(tree: PyTree) -> jax.Array | None:
+    """A bool scalar, `True` whatever the values, that XLA computes after
+    every array of `tree` (it reads one element of each) and cannot fold:
+    what is selected by it is ordered after them. `None` where no leaf can
+    be read (no number arrays, or one sharded in its type: `Explicit` axes
+    or inside `shard_map`, where one element has no type)."""
+    leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    if any(varying_axes(x) or typed_sharding(x) for x in leaves):
+        return None
+    bits = [b for b in map(_first_bits, leaves) if b is not None]
+    if not bits:
+        return None
+    # `b | 1 != 0`: true for every value, yet not foldable by XLA; computed
+    # once (a barrier), not inside each loop that selects by it.
+    v = lax.concatenate([lax.reshape(b, (1,)) for b in bits], 0)
+    ones = lax.ne(lax.bitwise_or(v, lax.full_like(v, 1)), lax.full_like(v, 0))
+    return lax.optimization_barrier(lax.reduce_and(ones, (0,)))
+
+
+def old_value_read_first(
+    jaxpr: Any, first_state: int, n_state: int, n_updates: int
+) -> list[bool]:
+    """For each state output of the inner step's `jaxpr` (outputs: the
+    updates, then the state; inputs from `first_state` on: the old state),
+    whether the updates read the old value and not the new one (Lion's
+    `mu`): the leaves `_state_after_updates` orders. An equation counts as
+    reading all its inputs for all its outputs (a nested call too)."""
+    needed = {v for v in jaxpr.outvars[:n_updates] if isinstance(v, jex_core.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            needed |= {v for v in eqn.invars if isinstance(v, jex_core.Var)}
+    old = jaxpr.invars[first_state : first_state + n_state]
+    new = jaxpr.outvars[n_updates:]
+    return [
+        o in needed and (not isinstance(n, jex_core.Var) or n not in needed)
+        for o, n in zip(old, new, strict=True)
+    ]
+
+
+def state_after_updates(
+    leaves: list[Any], n_updates: int, to_order: list[bool]
+) -> list[Any]:
+    """On XLA:CPU, each new state array in `to_order` computed after every
+    update (or new params) leaf: XLA:CPU computes them in loops of their
+    own and, not knowing which comes first, copies a state leaf whose old
+    value the updates read (Lion's `mu`) rather than overwrite it, in the
+    running branch and, for the conditional's output, in the other; made to
+    follow a value read from every update, it is written in place. Other
+    backends compute both in one loop and need no order."""
+    at = [i for i in range(n_updates) if isinstance(leaves[i], jax.Array)]
+    ordered = [
+        i
+        for i in range(n_updates, len(leaves))
+        if to_order[i - n_updates]
+        and isinstance(leaves[i], jax.Array)
+        and leaves[i].size > 1
+        and not is_typed_key(leaves[i])
+        and jnp.issubdtype(leaves[i].dtype, jnp.number)
+    ]
+    # Inside `shard_map`, or with a leaf sharded in its type (`Explicit`
+    # axes, where one element has no type), no token: XLA may copy.
+    unreadable = any(varying_axes(x) or typed_sharding(x) for x in leaves)
+    if not at or not ordered or unreadable or not active().state_after_updates:
+        return leaves
+
+    def after(updates, state):
+        # The updates returned are the barrier's: computed once, before.
+        updates = lax.optimization_barrier(updates)
+        token = read_token(updates)
+        if token is None:
+            return updates, state
+        return updates, [lax.select(token, x, lax.full_like(x, 0)) for x in state]
+
+    updates, state = lax.platform_dependent(
+        [leaves[i] for i in at],
+        [leaves[i] for i in ordered],
+        cpu=after,
+        default=lambda u, s: (u, s),
+    )
+    out = list(leaves)
+    for i, x in zip([*at, *ordered], [*updates, *state], strict=True):
+        out[i] = x
+    return out
+
+
+def scalar_barrier(tree: PyTree, ran: jax.Array) -> tuple[PyTree, jax.Array]:
+    """`tree` and `ran` with `ran` and every scalar leaf of `tree` passed
+    through one `lax.optimization_barrier`, grouped by the mesh axes they
+    vary over inside `jax.shard_map` (a barrier's outputs vary over all its
+    inputs' axes)."""
+    if not active().scalar_barrier:
+        return tree, ran
+    leaves, treedef = jax.tree.flatten(tree)
+    scalars = [
+        i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.ndim == 0
+    ]
+    groups: dict[frozenset, list[int]] = {}
+    for i in scalars:
+        groups.setdefault(varying_axes(leaves[i]) or frozenset(), []).append(i)
+    out = list(leaves)
+    ran_axes = varying_axes(ran) or frozenset()
+    if ran_axes not in groups:
+        ran = lax.optimization_barrier(ran)
+    for axes, indices in groups.items():
+        values = [leaves[i] for i in indices]
+        if axes == ran_axes:
+            *values, ran = lax.optimization_barrier([*values, ran])
+        else:
+            values = lax.optimization_barrier(values)
+        for i, x in zip(indices, values, strict=True):
+            out[i] = x
+    return jax.tree.unflatten(treedef, out), ran
+
+
+# Leaves from this many elements get zeros of their own (`distinct_zeros`);
+# below it a copy of a shared broadcast costs less than one more kernel to
+# launch and to compile.
+DISTINCT_ZEROS_MIN_SIZE = 1 << 16
+
+
+def distinct_zeros(avals: list[Any], seed: jax.Array | None) -> list[jax.Array]:
+    """Zeros of `avals`, no two large ones one computation to XLA.
+
+    Zeros of one shape are one broadcast to XLA, which then copies it into
+    each output of the `cond` that holds it. Here leaf `i` of at least
+    `DISTINCT_ZEROS_MIN_SIZE` elements broadcasts `float(seed + i) * 0`, a
+    product XLA does not fold (it would not be 0 for an infinite factor),
+    and exactly `+0` for the finite factor it is: nothing to merge, each
+    written once, straight into its output. Without a traced `seed` plain
+    zeros."""
+    if not active().distinct_zeros:
+        seed = None
+    out = []
+    for i, aval in enumerate(avals):
+        dtype = jnp.dtype(aval.dtype)
+        small = math.prod(aval.shape) < DISTINCT_ZEROS_MIN_SIZE
+        if seed is None or small or not jnp.issubdtype(dtype, jnp.inexact):
+            zero = lax.full((), 0, dtype)
+        else:
+            real = jnp.finfo(dtype).dtype  # the real part's dtype for complex
+            factor = lax.convert_element_type(seed + i, real)
+            zero = lax.convert_element_type(factor * lax.full((), 0, real), dtype)
+        if sharded_type(aval):  # `Explicit` axes: the sharding is in the type
+            z = lax.full(aval.shape, zero, dtype, sharding=aval.sharding)
+        else:
+            z = lax.broadcast(zero, aval.shape)
+        # Inside `jax.shard_map` the running branch's outputs may vary over
+        # mesh axes (updates of params sharded over a manual axis).
+        axes = (aval_varying_axes(aval) or frozenset()) - (
+            varying_axes(z) or frozenset()
+        )
+        out.append(cast_varying(z, tuple(sorted(axes))) if axes else z)
+    return out
+
+
+def fold_apart(tree: PyTree) -> PyTree:
+    """`tree` (the folded accumulator, before the drop-in's inner optimizer
+    runs on every step) with each leaf of rank 0 or 1 behind an
+    optimization barrier of its own, on TPUs only (docs/design.md)."""
+    if not active().fold_apart:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.ndim <= 1]
+    if not at:
+        return tree
+    arrays = lax.platform_dependent(
+        [leaves[i] for i in at],
+        tpu=lambda xs: [lax.optimization_barrier(x) for x in xs],
+        default=lambda xs: xs,
+    )
+    for i, x in zip(at, arrays, strict=True):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
