@@ -30,6 +30,14 @@ from ._microbatched_loop import (
 from ._sharding import axis_names, manual_axes, shards_over, typed_sharding
 from ._tree import cast_like
 
+_MSG_CLOSED_OVER = (
+    "microbatched runs grad_fn (and weight_fn) in a jax.shard_map over the "
+    "batch's Explicit mesh axes {}, which cannot close over a traced value "
+    "of the surrounding jit. Pass such values as arguments of grad_fn (given "
+    "to the microbatched call, which hands them on unchanged), not from the "
+    "enclosing function. ({})"
+)
+
 
 def _is_manual(axis_name: Hashable) -> bool:
     """Whether `axis_name` is bound here as a collective axis: inside
@@ -208,11 +216,9 @@ def _in_shard_map(
     axes = axis_names(spec)
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     dyn_args, dyn_kwargs = dynamic
+    batch = settings.batch_argnums
     in_specs = (
-        tuple(
-            P(spec) if i in settings.batch_argnums else P()
-            for i in range(len(dyn_args))
-        ),
+        tuple(P(spec) if i in batch else P() for i in range(len(dyn_args))),
         P(),
     )
     # What the traced function learns about its output, for outside it.
@@ -247,14 +253,8 @@ def _in_shard_map(
     except NotImplementedError as error:
         if "Closing over inputs to shard_map" not in str(error):
             raise
-        raise ValueError(
-            "microbatched runs grad_fn (and weight_fn) in a jax.shard_map over "
-            f"the batch's Explicit mesh axes {axes}, which cannot close over "
-            "a traced value of the surrounding jit. Pass such values as "
-            "arguments of grad_fn (given to the microbatched call, which "
-            "hands them on unchanged), not from the enclosing function. "
-            f"({str(error).splitlines()[0]})"
-        ) from None
+        first = str(error).splitlines()[0]
+        raise ValueError(_MSG_CLOSED_OVER.format(axes, first)) from None
     reduced_it, rows_it = iter(reduced), iter(rows)
     leaves = [next(rows_it) if c else next(reduced_it) for c in per_example]
     return eqx.combine(jax.tree.unflatten(out_def[0], leaves), out_static[0])

@@ -1,14 +1,8 @@
 """`MultiSteps`: gradient accumulation, a drop-in for `optax.MultiSteps`.
-
-Each step folds the gradients into a running mean (or sum) in place; on the
-last mini-step of a window the inner optimizer runs on the window's mean,
-inside one `lax.cond` (for `update` on GPUs and TPUs, selected as in
-optax). Everything is chosen by selection, never by arithmetic on state, so
-no dtype changes and no NaN or `inf` crosses a window. With `axis_name`,
-each device accumulates its own gradients and they are averaged once per
-window. With `weighted=True` each mini-step brings a weight (its token
-count) and the window emits the weighted mean. Why this form keeps memory
-at optax's or below is in `docs/design.md`.
+Each step prepares its inputs, decides whether the window ends, folds the
+gradients and runs the inner optimizer in the step's form
+(`_accumulate/window`); the state's counters move by selection. Why this
+keeps memory at optax's or below: `docs/design.md`.
 """
 
 from __future__ import annotations
@@ -49,6 +43,8 @@ from ._transformations import (
 from ._tree import saturating_increment
 from ._weighted import WeightedMultiStepsState, window_weights
 
+State = optax.MultiStepsState | WeightedMultiStepsState
+
 
 def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
     """Whether the mini-step `mini_step` (counted from 0) completes a window of
@@ -59,28 +55,29 @@ def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
     return jnp.logical_and(k > 0, mini_step + 1 >= k)
 
 
-def _next_counters(
-    window_end: jax.Array,
-    emitted: jax.Array,
-    should_skip: jax.Array,
-    mini_step: jax.Array,
-    gradient_step: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """`mini_step` and `gradient_step` after this step: a window restarts
-    where it ended, `gradient_step` counts the windows the inner optimizer
-    ran on (a weighted window of weight 0 ends without), a skipped step
-    counts nothing, neither overflows."""
-    mini = jnp.where(
-        window_end,
-        0,
-        jnp.where(should_skip, mini_step, saturating_increment(mini_step)),
+def _next_state(
+    state: State, step: MiniStep, emitted: jax.Array, devices: Any, fields: dict
+) -> State:
+    """The state after a mini-step with `fields`: a window restarts where it
+    ended, `gradient_step` counts the windows the inner optimizer ran on (a
+    weighted window of weight 0 ends without), a skipped step counts
+    nothing, neither counter overflows."""
+    mini_step = jnp.asarray(state.mini_step)
+    count = jnp.where(step.should_skip, mini_step, saturating_increment(mini_step))
+    mini = jnp.where(step.window_end, 0, count).astype(mini_step.dtype)
+    gradient = jnp.asarray(state.gradient_step)
+    gradient = jnp.where(emitted, saturating_increment(gradient), gradient)
+    if step.weights is None:
+        return optax.MultiStepsState(mini, gradient, **fields)
+    running = jnp.where(step.should_skip, step.stored, step.weights.total)
+    acc_weight = jnp.where(step.window_end, jnp.zeros_like(running), running)
+    return WeightedMultiStepsState(
+        mini, gradient, **fields, acc_weight=devices.add_axis(acc_weight)
     )
-    gradient = jnp.where(emitted, saturating_increment(gradient_step), gradient_step)
-    return mini.astype(mini_step.dtype), gradient
 
 
 def _is_multi_steps_state(x: Any) -> bool:
-    return isinstance(x, optax.MultiStepsState | WeightedMultiStepsState)
+    return isinstance(x, State)
 
 
 def _as_optax_holds_it(state: Any) -> Any:
@@ -105,25 +102,16 @@ class MultiSteps(Configured):
     (extra keyword arguments such as `value=` go to the inner optimizer),
     `has_updated`, `inner_opt`, `gradient_transformation()` and state type,
     `optax.MultiStepsState`, so a checkpoint written by one loads into the
-    other (after a window's last mini-step through `optax_state`). Each
-    `update` folds the gradients into `acc_grads`; the mini-step
-    that completes a window of `k = every_k_schedule(gradient_step)` accepted
-    mini-steps applies the inner optimizer to the window's mean (or sum) and
-    returns its updates; every other mini-step returns exact zeros. The
-    inner optimizer runs only on a window's last mini-step, in a
-    conditional, but for `update` on GPUs and TPUs without `axis_name`:
-    there it runs on every mini-step, as in optax, because a conditional
-    returning the updates would hold them in memory;
-    `optax_ext.apply_gradients` keeps the conditional on every backend
-    (`docs/multi_steps.md`).
+    other (after a window's last mini-step through `optax_state`). The
+    mini-step that completes a window of `k = every_k_schedule(gradient_step)`
+    accepted mini-steps applies the inner optimizer to the window's mean (or
+    sum) and returns its updates; every other returns exact zeros.
 
     Beyond optax: every leaf of the inner state keeps its dtype, shape and
-    weak type on every step (it is selected, never blended); a window's
-    first fold overwrites the accumulator (a selection), so a NaN or `inf`
-    never crosses a window; no gradient is rounded into a narrower accumulator (a
-    `TypeError` instead); `params` may be a whole Equinox model. The full
-    contract (numerics, window sizes, Equinox leaves, errors) is in
-    `docs/multi_steps.md`.
+    weak type; a NaN or `inf` never crosses a window; no gradient is rounded
+    into a narrower accumulator (a `TypeError` instead); `params` may be a
+    whole Equinox model. The full contract, and where the inner optimizer
+    runs on each backend, are in `docs/multi_steps.md`.
 
     **Arguments:**
 
@@ -146,20 +134,13 @@ class MultiSteps(Configured):
       across this axis once per window (`docs/data_parallel.md`).
     - `weighted`: if `True`, `update` and `apply_gradients` take each
       mini-step's `weight=` (a scalar >= 0, traced: e.g. its number of
-      non-padding tokens) and the window emits `sum_i w_i g_i / sum_i w_i`,
-      the gradient of the mean over all of the window's tokens when each
-      `g_i` is its micro-batch's token-mean gradient. A weight of 0 leaves
-      no trace (its gradient, even NaN, is not read); a window whose weights
-      sum to 0 emits zeros, leaves the inner state (and, fused, the params)
-      as they were and does not advance `gradient_step`. With `axis_name`
-      the weights are each device's own and the mean is over every device's
-      tokens, still in one all-reduce per window. The state is then a
-      `WeightedMultiStepsState` (`optax.MultiStepsState`'s fields and
-      `acc_weight`, the window's running weight). A weight known while
-      tracing must be finite and >= 0; a traced one is not checked (a
-      negative or NaN one gives a meaningless mean). Needs
-      `use_grad_mean=True`. See "Uneven micro-batches" in
-      `docs/multi_steps.md`.
+      non-padding tokens) and the window emits `sum_i w_i g_i / sum_i w_i`
+      (with `use_grad_mean=False`, `sum_i w_i g_i`: the gradient of the
+      token-summed loss when `g_i` is a micro-batch's token-mean gradient).
+      A weight of 0 leaves no trace (its gradient, even NaN, is not read);
+      a window whose weights sum to 0 applies nothing and is not counted in
+      `gradient_step`. The state is a `WeightedMultiStepsState`. See
+      "Uneven micro-batches" in `docs/multi_steps.md`.
 
     Two `MultiSteps` built from equal arguments compare and hash equal, so a
     jitted step taking the optimizer as a static argument compiles once.
@@ -223,9 +204,7 @@ class MultiSteps(Configured):
         """The wrapped optimizer."""
         return self._opt
 
-    def init(
-        self, params: optax.Params
-    ) -> optax.MultiStepsState | WeightedMultiStepsState:
+    def init(self, params: optax.Params) -> State:
         """Builds the initial `optax.MultiStepsState` for `params`.
 
         With `axis_name`, call it where that axis is bound (inside
@@ -266,7 +245,7 @@ class MultiSteps(Configured):
             *state, acc_weight=self._devices.add_axis(weight)
         )
 
-    def state_specs(self) -> optax.MultiStepsState | WeightedMultiStepsState:
+    def state_specs(self) -> State:
         """`PartitionSpec`s of the state (a prefix of its tree) for
         `jax.shard_map`: `P()` everywhere, but `P(axis_name)` for `acc_grads`
         and `skip_state` with `axis_name`, where each device accumulates its
@@ -286,10 +265,10 @@ class MultiSteps(Configured):
     def update(
         self,
         updates: optax.Updates,
-        state: optax.MultiStepsState | WeightedMultiStepsState,
+        state: State,
         params: optax.Params | None = None,
         **extra_args: Any,
-    ) -> tuple[optax.Updates, optax.MultiStepsState | WeightedMultiStepsState]:
+    ) -> tuple[optax.Updates, State]:
         """Accumulates `updates`; returns the inner optimizer's updates on the
         last mini-step of a window and zeros otherwise. With `weighted=True`,
         pass `weight=` (this mini-step's weight); it is not forwarded to the
@@ -299,12 +278,12 @@ class MultiSteps(Configured):
     def _apply_gradients(
         self,
         grads: optax.Updates,
-        state: optax.MultiStepsState | WeightedMultiStepsState,
+        state: State,
         params: optax.Params,
         *,
         emit: bool | None = None,
         **extra_args: Any,
-    ) -> tuple[optax.Params, optax.MultiStepsState | WeightedMultiStepsState]:
+    ) -> tuple[optax.Params, State]:
         """`update` followed by applying the updates to `params`, fused: a
         mini-step returns `params` as they came in, without building zero
         updates (`optax_ext.apply_gradients` calls this)."""
@@ -313,13 +292,13 @@ class MultiSteps(Configured):
     def _step(
         self,
         grads: PyTree,
-        state: optax.MultiStepsState | WeightedMultiStepsState,
+        state: State,
         params: PyTree | None,
         extra_args: dict[str, Any],
         *,
         fused: bool,
         emit: bool | None = None,
-    ) -> tuple[PyTree, optax.MultiStepsState | WeightedMultiStepsState]:
+    ) -> tuple[PyTree, State]:
         """`update` (`fused=False`) or `_apply_gradients`: checks the inputs
         once, folds the gradients into the accumulator, decides whether the
         window ends, runs the inner optimizer in the one conditional, and
@@ -327,9 +306,7 @@ class MultiSteps(Configured):
         given, all_params = grads, params
         method = "apply_gradients" if fused else "update"
         step = prepare_step(self, grads, state, params, extra_args, method)
-        mini_step = jnp.asarray(state.mini_step)
-        gradient_step = jnp.asarray(state.gradient_step)
-        skip_state, stored, decided = self._decide(step, state, emit)
+        skip_state, decided = self._decide(step, state, emit)
         form = choose_form(fused, emit, self._devices.per_device)
         result, inner_state, acc, emitted = run_window(
             self._window,
@@ -340,80 +317,50 @@ class MultiSteps(Configured):
             state.acc_grads,
             state.inner_opt_state,
         )
-        result = (
-            merge_trainable(all_params, result)
-            if fused
-            else restore_none(given, result)
-        )
-        should_skip, window_end = decided.should_skip, decided.window_end
-        mini, gradient = _next_counters(
-            window_end, emitted, should_skip, mini_step, gradient_step
-        )
-        fields: dict[str, Any] = dict(
-            mini_step=mini,
-            gradient_step=gradient,
+        if fused:
+            result = merge_trainable(all_params, result)
+        else:
+            result = restore_none(given, result)
+        fields = dict(
             # A value written into the state weakly typed (`jnp.asarray(1e-2)`)
             # leaves with init's avals.
             inner_opt_state=strong_as_recorded(inner_state, step.record),
             acc_grads=acc,
             skip_state=self._devices.add_axis(skip_state),
         )
-        if decided.weights is None:
-            return result, optax.MultiStepsState(**fields)
-        running = jnp.where(should_skip, stored, decided.weights.total)
-        acc_weight = jnp.where(window_end, jnp.zeros_like(running), running)
-        return result, WeightedMultiStepsState(
-            **fields, acc_weight=self._devices.add_axis(acc_weight)
-        )
+        return result, _next_state(state, decided, emitted, self._devices, fields)
 
-    def _decide(
-        self,
-        step: Any,
-        state: optax.MultiStepsState | WeightedMultiStepsState,
-        emit: bool | None,
-    ) -> tuple[PyTree, jax.Array | None, MiniStep]:
-        """The skip function's state, the state's running weight (weighted)
-        and this mini-step's decisions: whether it is skipped, its weights
-        and whether it ends its window (at `k` accepted mini-steps, or as
-        `emit` says)."""
+    def _decide(self, step: Any, state: State, emit: bool | None) -> tuple:
+        """The skip function's state and this mini-step's decisions: whether
+        it is skipped, its weights, whether it ends its window (at `k`
+        accepted mini-steps, or as `emit` says)."""
         mini_step = jnp.asarray(state.mini_step)
         skip_fn = self._should_skip_update_fn
+        gradient_step = jnp.asarray(state.gradient_step)
         should_skip, skip_state = skip_decision(
-            skip_fn,
-            step.grads,
-            jnp.asarray(state.gradient_step),
-            step.params,
-            step.weight,
+            skip_fn, step.grads, gradient_step, step.params, step.weight
         )
         if skip_fn is not None:
             should_skip = self._devices.agree(should_skip)
         stored = weights = None
         if self._weighted:
-            # `check_step` saw its float `acc_weight`.
+            # `check_state` saw its float `acc_weight`.
             acc_weight = cast(WeightedMultiStepsState, state).acc_weight
             stored, weights = window_weights(
                 self._window.accumulator, acc_weight, step.weight, mini_step
             )
         ends = _window_complete(mini_step, step.k) if emit is None else emit
         window_end = jnp.logical_and(jnp.logical_not(should_skip), ends)
-        return skip_state, stored, MiniStep(window_end, should_skip, mini_step, weights)
+        return skip_state, MiniStep(window_end, should_skip, mini_step, weights, stored)
 
-    def optax_state(
-        self, state: optax.MultiStepsState | WeightedMultiStepsState
-    ) -> optax.MultiStepsState | WeightedMultiStepsState:
+    def optax_state(self, state: State) -> State:
         """`state` as `optax.MultiSteps` holds it at the same step, for it
-        to go on from: `acc_grads` zeros after a window's last mini-step
-        (`mini_step == 0`), where optax_ext keeps the window's mean for its
-        next fold to overwrite. optax's first fold adds to the accumulator
-        it finds (`acc + (g - acc) / 1`, or `acc + g` summing), so without
-        this it would not give optax_ext's numbers. Mid-window both hold
-        the same. Every `MultiSteps` state inside the inner state (a nested
-        `MultiSteps`, at any depth, through chains and wrappers) is
-        converted too. A state of optax's goes on in optax_ext as it is.
-        Jittable; the state's type and avals are kept. A window held open
-        past its length (`apply_gradients(..., emit=False)`) has no optax
-        form, as optax would never close it: refused where the counters are
-        known, not checked under `jit`.
+        to go on from: `acc_grads` zeros after a window's last mini-step,
+        where optax_ext keeps the window's mean for its next fold to
+        overwrite and optax would add to it; every `MultiSteps` state nested
+        in the inner state too. Jittable. A window held open past its length
+        (`apply_gradients(..., emit=False)`), which optax would never close,
+        is refused where the counters are known.
 
         **Example:**
 
@@ -442,9 +389,7 @@ class MultiSteps(Configured):
                 )
         return _as_optax_holds_it(state)
 
-    def emits_next(
-        self, state: optax.MultiStepsState | WeightedMultiStepsState
-    ) -> bool:
+    def emits_next(self, state: State) -> bool:
         """Whether the window ends on the next accepted mini-step, as
         `every_k_schedule` says (`mini_step + 1 >= k`): on the host, for a
         loop that passes `apply_gradients(..., emit=)`. After a resume, start
@@ -481,9 +426,7 @@ class MultiSteps(Configured):
         k = self._every_k_schedule(step)
         return k if isinstance(k, jax.Array) else check_k(k, step)
 
-    def has_updated(
-        self, state: optax.MultiStepsState | WeightedMultiStepsState
-    ) -> Bool[Array, ""]:
+    def has_updated(self, state: State) -> Bool[Array, ""]:
         """`True` when the last *accepted* mini-step completed a window, from
         the counters as in optax (`mini_step == 0 and gradient_step > 0`): a
         skipped step right after an emitting one leaves it `True`, as in

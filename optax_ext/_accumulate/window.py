@@ -39,6 +39,7 @@ class MiniStep(NamedTuple):
     should_skip: jax.Array
     index: jax.Array  # the state's `mini_step`
     weights: Weights | None
+    stored: jax.Array | None  # weighted: the state's running weight
 
 
 def _keep_or(keep: jax.Array, new: PyTree, old: PyTree) -> PyTree:
