@@ -46,6 +46,61 @@ _STRUCTURE_HINT = (
 )
 
 
+def _first_difference(exp_paths: dict, got_paths: dict, names: tuple) -> str | None:
+    """Where a path of the expected tree is missing or `None` on one side."""
+    expected_name, got_name = names
+    for path, leaf in exp_paths.items():
+        if path not in got_paths:
+            deeper = [
+                p
+                for p in got_paths
+                if p.startswith(path) and p[len(path) : len(path) + 1] in "[."
+            ]
+            held = (
+                f"a tree with leaves at {', '.join(deeper[:3])}"
+                + (", ..." if len(deeper) > 3 else "")
+                if deeper
+                else "nothing"
+            )
+            return (
+                f"{got_name} have {held} at {path or 'the root'}, where "
+                f"{expected_name} hold {_describe(leaf)}"
+            )
+        if (leaf is None) != (got_paths[path] is None):
+            return (
+                f"at {path or 'the root'} {got_name} hold "
+                f"{_describe(got_paths[path])} but {expected_name} hold "
+                f"{_describe(leaf)}"
+            )
+    return None
+
+
+_MSG_UNEQUAL_CONTAINERS = (
+    "their containers print alike ({}) but compare unequal: they differ in "
+    "what a container holds beside its children and does not print (an "
+    "Equinox module's static fields, say, which a pickle round trip can make "
+    "unequal). Restore a checkpoint into the state this process builds (its "
+    "init, or `jax.eval_shape` of it), so the containers come from here"
+)
+
+
+def _containers_differ(exp_paths, got_paths, exp_def, got_def, names) -> str:
+    """The difference of two trees with the same paths, or an extra one."""
+    expected_name, got_name = names
+    extra = next((p for p in got_paths if p not in exp_paths), None)
+    if extra is not None:
+        return (
+            f"{got_name} have {_describe(got_paths[extra])} at {extra}, a path "
+            f"{expected_name} do not have"
+        )
+    if str(got_def) == str(exp_def):
+        return _MSG_UNEQUAL_CONTAINERS.format(got_def)
+    return (
+        f"the containers differ: {got_name} are {got_def}, "
+        f"{expected_name} are {exp_def}"
+    )
+
+
 def check_same_structure(
     expected: PyTree,
     got: PyTree,
@@ -70,51 +125,10 @@ def check_same_structure(
         return
     exp_paths = {jax.tree_util.keystr(p): leaf for p, leaf in exp_leaves}
     got_paths = {jax.tree_util.keystr(p): leaf for p, leaf in got_leaves}
-    for path, leaf in exp_paths.items():
-        if path not in got_paths:
-            deeper = [
-                p
-                for p in got_paths
-                if p.startswith(path) and p[len(path) : len(path) + 1] in "[."
-            ]
-            held = (
-                f"a tree with leaves at {', '.join(deeper[:3])}"
-                + (", ..." if len(deeper) > 3 else "")
-                if deeper
-                else "nothing"
-            )
-            problem = f"{got_name} have {held} at {path or 'the root'}, where "
-            problem += f"{expected_name} hold {_describe(leaf)}"
-            break
-        if (leaf is None) != (got_paths[path] is None):
-            problem = (
-                f"at {path or 'the root'} {got_name} hold "
-                f"{_describe(got_paths[path])} but {expected_name} hold "
-                f"{_describe(leaf)}"
-            )
-            break
-    else:
-        extra = next((p for p in got_paths if p not in exp_paths), None)
-        if extra is not None:
-            problem = (
-                f"{got_name} have {_describe(got_paths[extra])} at {extra}, a path "
-                f"{expected_name} do not have"
-            )
-        elif str(got_def) == str(exp_def):
-            problem = (
-                f"their containers print alike ({got_def}) but compare "
-                "unequal: they differ in what a container holds beside its "
-                "children and does not print (an Equinox module's static "
-                "fields, say, which a pickle round trip can make unequal). "
-                "Restore a checkpoint into the state this process builds "
-                "(its init, or `jax.eval_shape` of it), so the containers "
-                "come from here"
-            )
-        else:
-            problem = (
-                f"the containers differ: {got_name} are {got_def}, "
-                f"{expected_name} are {exp_def}"
-            )
+    names = (expected_name, got_name)
+    problem = _first_difference(exp_paths, got_paths, names)
+    if problem is None:
+        problem = _containers_differ(exp_paths, got_paths, exp_def, got_def, names)
     raise ValueError(
         f"The tree of {got_name} does not match {expected_name}: {problem}. {hint}"
     )
