@@ -1,9 +1,6 @@
-"""One accumulator for both accumulations: `MultiSteps` folds a mini-step's
-gradients into its state on each call, `microbatched` a micro-batch's output
-on each iteration of its loop. `Accumulator` says how a value is folded in
-(the running mean or the sum, each weighted or not) and how the devices'
-accumulators meet after the last fold (one all-reduce); both forms call it,
-so on the same values they compute the same arithmetic.
+"""One accumulator for `MultiSteps` and `microbatched`: how a value is
+folded in (`Accumulator`, `Count`, `AnyOf`, `Rows`) and how the devices'
+accumulators meet after the last fold, so both compute the same arithmetic.
 """
 
 from __future__ import annotations
@@ -37,9 +34,7 @@ class Accumulator:
     reduced: ClassVar[bool] = True  # across devices, after the last fold
 
     def weigh(self, before: jax.Array, weight: jax.Array) -> Weights:
-        """The scalars of folding a value of `weight` after `before` (the
-        weight folded so far); a weight of 0 is replaced by 1 where it
-        divides, so no NaN or `inf` is computed."""
+        """The scalars of folding a value of `weight` after `before`."""
         total = before + weight
         nothing = weight == 0
         if self.mean:
@@ -51,16 +46,14 @@ class Accumulator:
     def fold(
         self, x: jax.Array, acc: jax.Array, index: jax.Array, weights: Weights | None
     ) -> jax.Array:
-        """`acc` with `x` folded in as the `index`-th value (from 0), or
-        with `weights` where weighted."""
+        """`acc` with `x` folded in as the `index`-th value (from 0)."""
         if weights is None:
             return fold(x, acc, index, self.mean)
         return _fold_weighted(x, acc, weights, self.mean)
 
     def part(self, acc: jax.Array, weight: jax.Array | None) -> jax.Array:
-        """This device's share of the all-reduce that ends the accumulation:
-        its accumulator in at least float32, times its weight for a weighted
-        mean; zeros where a weighted device's weight is 0 (nothing read)."""
+        """This device's share of the all-reduce that ends the accumulation,
+        in at least float32."""
         if not self.weighted:
             return acc.astype(work_dtype(acc.dtype))
         assert weight is not None
@@ -70,10 +63,7 @@ class Accumulator:
         return jnp.where(weight > 0, wide, jnp.zeros_like(wide))
 
     def whole(self, summed: jax.Array, total: jax.Array | None, devices: int) -> Any:
-        """The accumulation over every device from the sum of their `part`s:
-        the devices' mean unweighted (each device's gradient is a mean over
-        its rows), divided by the weights' sum (`total`, zeros where it is 0)
-        for a weighted mean, as it is for a weighted sum."""
+        """The accumulation over every device from the sum of their `part`s."""
         if not self.weighted:
             return summed / devices
         if not self.mean:
@@ -84,8 +74,7 @@ class Accumulator:
 
 
 class Count:
-    """`microbatched`'s integer outputs: summed over micro-batches and
-    devices."""
+    """An integer output: summed over micro-batches and devices."""
 
     reduced = True
 
@@ -138,9 +127,7 @@ def fold(
     may_be_first: bool = True,
 ) -> jax.Array:
     """`acc` with `g` folded in as the `index`-th value (from 0): Welford's
-    running mean `acc + (g - acc) / (index + 1)`, or the sum. The first value
-    is selected, so a buffer holding a NaN starts clean; in float32 for
-    narrower floats, rounded once."""
+    running mean `acc + (g - acc) / (index + 1)`, or the sum."""
     # lax, not jnp: no per-leaf `jit` of jnp's functions to trace and inline.
     work = work_dtype(acc.dtype)
     g = widen(jnp.asarray(g), work)
@@ -156,9 +143,7 @@ def fold(
 
 
 def _fold_weighted(g: jax.Array, acc: jax.Array, w: Weights, mean: bool) -> jax.Array:
-    """`acc + (g - acc) / (W / w)` (the mean) or `acc + w g` (the sum); `g`
-    (times `w`) selected where nothing came before, `acc` kept where `w` is
-    0, so a weight-0 value, even NaN, leaves no trace."""
+    """`acc + (g - acc) / (W / w)` (the mean) or `acc + w g` (the sum)."""
     work = work_dtype(acc.dtype)
     g = widen(jnp.asarray(g), work)
     old = lax.convert_element_type(acc, work)
@@ -173,8 +158,7 @@ def _fold_weighted(g: jax.Array, acc: jax.Array, w: Weights, mean: bool) -> jax.
 
 
 def weight_dtype(accumulators: Any) -> Any:
-    """The dtype the weights are summed in: float32, or float64 where an
-    accumulator (an array or a dtype) works in float64 or complex128."""
+    """float64 where an accumulator works in 64 bits, else float32."""
     for acc in jax.tree.leaves(accumulators):
         if jnp.finfo(work_dtype(jnp.result_type(acc))).bits == 64:  # complex128 too
             return jnp.dtype(jnp.float64)

@@ -12,10 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import PyTree
 
-# Raised by JAX for dtypes it does not promote together (float8 with
-# float32). Public as `jax.dtypes.TypePromotionError` from jax 0.10; before,
-# only its base class is: catching that is as narrow here, where the calls
-# in each `try` can raise nothing else.
+# Raised by JAX for dtypes it does not promote together (float8 with float32).
 PROMOTION_ERROR: type[Exception] = getattr(jax.dtypes, "TypePromotionError", ValueError)
 
 
@@ -58,9 +55,7 @@ def check_accumulator_dtype(accumulator_dtype: Any, *, complex_ok: bool) -> Any:
 
 def holds(wide: Any, narrow: Any) -> bool:
     """Whether every value of dtype `narrow` is a value of dtype `wide` (as
-    JAX promotes: integers count as held by floats). For the dtypes JAX does
-    not promote together (float8 with float32, say) the formats are
-    compared."""
+    JAX promotes, else by their formats)."""
     try:
         return jnp.promote_types(narrow, wide) == wide
     except PROMOTION_ERROR:
@@ -93,11 +88,8 @@ def accumulator_dtype_for(
     leaf: Any, accumulator_dtype: Any, path: str, caller: str, what: str
 ) -> Any:
     """The dtype `leaf` (an array, a Python number or a dtype) accumulates
-    in: `accumulator_dtype` is the least one, so the least dtype holding
-    both (a Python number counts as weakly typed, as in JAX's promotion);
-    the leaf's own with `None`; for an integer leaf `accumulator_dtype`
-    (float32 with `None`). A `TypeError` naming `caller`'s argument where
-    neither dtype holds the other; `what` names the leaf in it."""
+    in: the least dtype holding both it and `accumulator_dtype` (float32 for
+    an integer leaf); a `TypeError` where neither holds the other."""
     dtype = jnp.result_type(leaf)
     if jnp.issubdtype(dtype, jnp.integer):
         no_choice = accumulator_dtype is None
@@ -138,25 +130,16 @@ def zero_accumulator(params: PyTree, accumulator_dtype: Any) -> PyTree:
 
 
 def work_dtype(acc_dtype: Any) -> Any:
-    """The dtype a mini-step's running mean is computed in: float32 for
-    floating accumulators narrower than it (float16, bfloat16, float8), where
-    `g - acc` would overflow (the mean of 6e4 and -6e4 in float16) and every
-    operation would round; the accumulator's own dtype otherwise."""
+    """The dtype a running mean is computed in: float32 for narrower floating
+    accumulators, the accumulator's own dtype otherwise."""
     if jnp.issubdtype(acc_dtype, jnp.floating) and jnp.finfo(acc_dtype).bits < 32:
         return jnp.dtype(jnp.float32)
     return acc_dtype
 
 
 def widen(x: jax.Array, dtype: Any) -> jax.Array:
-    """`x` converted to `dtype` (an accumulator's: the same or wider); a
-    bfloat16 `x` widened holds exactly a bfloat16 value. Where XLA fuses
-    the computation of a bfloat16 `x` into the loop that widens it, it may
-    skip the rounding to bfloat16 (its default `xla_allow_excess_precision`),
-    so the same gradients would fold to other bits depending on what the
-    caller computes in the same step; the `reduce_precision` to bfloat16
-    (which XLA keeps, and which rounds as the conversion does) makes them
-    the same. float16 is left alone: XLA's `reduce_precision` flushes its
-    subnormals, which the conversion keeps."""
+    """`x` converted to `dtype` (the same or wider); a bfloat16 `x` rounded
+    by a `reduce_precision` that XLA keeps (docs/design.md)."""
     if x.dtype != jnp.bfloat16 or jnp.dtype(dtype) == x.dtype:
         return lax.convert_element_type(x, dtype)
     fi = jnp.finfo(jnp.bfloat16)

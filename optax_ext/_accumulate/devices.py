@@ -18,11 +18,8 @@ from .accumulator import Accumulator
 
 
 def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple[str, Any, Any]]:
-    """For each gradient leaf: where it is, and the mesh axes it and its
-    accumulator vary over inside `jax.shard_map`; nothing where the types do
-    not say (outside `shard_map`'s type checks). A `None` gradient (a
-    Python number or integer leaf, which `MultiSteps` fills with zeros) is
-    not the caller's and is passed over."""
+    """For each given gradient leaf: where it is, and the mesh axes it and
+    its accumulator vary over; nothing outside `shard_map`'s type checks."""
     given: list[tuple[str, Any, Any]] = []
 
     def visit(path: Any, g: Any, a: Any) -> None:
@@ -46,22 +43,17 @@ class SingleDeviceState:
         del method
 
     def spec(self) -> Any:
-        """The `PartitionSpec` of the per-device parts of the state."""
         return jax.sharding.PartitionSpec()
 
     def add_axis(self, tree: PyTree) -> PyTree:
-        """`tree` as stored in the state (no device axis)."""
         return tree
 
     def drop_axis(self, acc: PyTree) -> PyTree:
         return acc
 
     def check_gradients(self, grads: PyTree, acc: PyTree) -> None:
-        """Under `shard_map`'s type checks, raises if the gradients differ
-        between devices along a mesh axis where the accumulator does not:
-        each device would fold its own gradients into what the state holds
-        as one accumulator for all (a data-parallel step without
-        `axis_name`)."""
+        """Raises if the gradients vary over a mesh axis the accumulator
+        does not (a data-parallel step without `axis_name`)."""
         for where, g_axes, a_axes in _varying_axes_of(grads, acc):
             extra = sorted(g_axes - a_axes, key=str)
             if extra:
@@ -83,17 +75,15 @@ class SingleDeviceState:
     def finish(
         self, acc: PyTree, accumulator: Accumulator, weight: jax.Array | None
     ) -> tuple[PyTree, jax.Array | None]:
-        """The window's accumulation from the stored accumulator, and
-        whether its weights sum to more than 0 (`None`: the caller knows
-        before the window ends)."""
+        """The window's accumulation, and whether its weights sum to more
+        than 0 (`None`: known before)."""
         del accumulator, weight
         return acc, None
 
 
 class PerDeviceState(SingleDeviceState):
     """With `axis_name`: `acc_grads` and `skip_state` hold this device's own
-    values under a leading axis of length 1 (`P(axis_name)` outside
-    `shard_map`); the window's only collective is one all-reduce."""
+    values under a leading axis of length 1; one all-reduce per window."""
 
     per_device = True
 
@@ -141,10 +131,8 @@ class PerDeviceState(SingleDeviceState):
         return jax.tree_util.tree_map_with_path(drop, acc)
 
     def check_gradients(self, grads: PyTree, acc: PyTree) -> None:
-        """Under `shard_map`'s type checks, raises if the gradients are the
-        same on every device while the accumulator is not: `jax.grad` with
-        respect to replicated params has then already summed them over the
-        devices, and averaging them again would be silently wrong."""
+        """Raises if the gradients are the same on every device while the
+        accumulator is not (already summed by `jax.grad`)."""
         name = self.axis_name
         names = axis_names(name)
         for where, g_axes, a_axes in _varying_axes_of(grads, acc):
@@ -164,15 +152,14 @@ class PerDeviceState(SingleDeviceState):
 
     def agree(self, should_skip: jax.Array) -> jax.Array:
         """Every device takes the same skip decision, or their windows drift
-        apart: one scalar all-reduce per mini-step."""
+        apart."""
         votes = lax.psum(should_skip.astype(jnp.int32), self.axis_name)
         return votes > 0
 
     def finish(
         self, acc: PyTree, accumulator: Accumulator, weight: jax.Array | None
     ) -> tuple[PyTree, jax.Array | None]:
-        """Every device's accumulators and weights meet in one all-reduce,
-        the window's only collective (`Accumulator.part`, `.whole`)."""
+        """Every device's accumulators and weights meet in one all-reduce."""
         parts = jax.tree.map(lambda a: accumulator.part(a[0], weight), acc)
         total = keep = None
         if accumulator.weighted:

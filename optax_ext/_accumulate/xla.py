@@ -1,19 +1,7 @@
 """The XLA mechanisms of the accumulation, in one place: each keeps one
-backend's compiler from undoing what the code writes, and each can be
-switched off (`using`) to measure what it buys. The table of
-`docs/design.md` ("Mechanisms per backend and version") gives, for each,
-the backend and version that needs it, the figures, and the test that fails
-without it:
-
-- `drop_in_in_conditional`: where the drop-in `update` keeps its
-  conditional (XLA:CPU only).
-- `scalar_barrier`: an optimization barrier on the running branch's
-  scalars (XLA:GPU turns cheap conditionals into selects).
-- `distinct_zeros`: zeros XLA cannot merge into one broadcast and copy.
-- `state_after_updates`: on XLA:CPU, a state leaf whose old value the
-  updates read (Lion's `mu`) written after them, in place.
-- `fold_apart`: on XLA:TPU, small accumulator leaves kept out of the
-  inner optimizer's loops.
+backend's compiler from undoing what the code writes, and `using` switches
+them off to measure what it buys (docs/design.md, "Mechanisms per backend
+and version").
 """
 
 from __future__ import annotations
@@ -72,9 +60,7 @@ def using(**changes: Any) -> Iterator[Mechanisms]:
 
 
 def drop_in_in_conditional(platform: str) -> bool:
-    """Whether the drop-in `update` runs the inner optimizer in a
-    conditional on `platform` (`"cpu"`, `"cuda"`, `"rocm"`, `"tpu"`) rather
-    than on every step with its results selected, as optax does."""
+    """Whether the drop-in `update` keeps its conditional on `platform`."""
     return platform in active().drop_in_conditional_on
 
 
@@ -94,19 +80,15 @@ def _first_bits(x: jax.Array) -> jax.Array | None:
 
 
 def read_token(tree: PyTree) -> jax.Array | None:
-    """A bool scalar, `True` whatever the values, that XLA computes after
-    every array of `tree` (it reads one element of each) and cannot fold:
-    what is selected by it is ordered after them. `None` where no leaf can
-    be read (no number arrays, or one sharded in its type: `Explicit` axes
-    or inside `shard_map`, where one element has no type)."""
+    """A bool scalar, always `True`, that XLA computes after every array of
+    `tree` and cannot fold; `None` where no leaf can be read."""
     leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
     if any(varying_axes(x) or typed_sharding(x) for x in leaves):
         return None
     bits = [b for b in map(_first_bits, leaves) if b is not None]
     if not bits:
         return None
-    # `b | 1 != 0`: true for every value, yet not foldable by XLA; computed
-    # once (a barrier), not inside each loop that selects by it.
+    # `b | 1 != 0`: true for every value, yet not foldable by XLA.
     v = lax.concatenate([lax.reshape(b, (1,)) for b in bits], 0)
     ones = lax.ne(lax.bitwise_or(v, lax.full_like(v, 1)), lax.full_like(v, 0))
     return lax.optimization_barrier(lax.reduce_and(ones, (0,)))
@@ -115,11 +97,8 @@ def read_token(tree: PyTree) -> jax.Array | None:
 def old_value_read_first(
     jaxpr: Any, first_state: int, n_state: int, n_updates: int
 ) -> list[bool]:
-    """For each state output of the inner step's `jaxpr` (outputs: the
-    updates, then the state; inputs from `first_state` on: the old state),
-    whether the updates read the old value and not the new one (Lion's
-    `mu`): the leaves `_state_after_updates` orders. An equation counts as
-    reading all its inputs for all its outputs (a nested call too)."""
+    """For each state output of the inner step's `jaxpr`, whether the
+    updates read its old value and not the new one (Lion's `mu`)."""
     needed = {v for v in jaxpr.outvars[:n_updates] if isinstance(v, jex_core.Var)}
     for eqn in reversed(jaxpr.eqns):
         if any(v in needed for v in eqn.outvars):
@@ -136,12 +115,7 @@ def state_after_updates(
     leaves: list[Any], n_updates: int, to_order: list[bool]
 ) -> list[Any]:
     """On XLA:CPU, each new state array in `to_order` computed after every
-    update (or new params) leaf: XLA:CPU computes them in loops of their
-    own and, not knowing which comes first, copies a state leaf whose old
-    value the updates read (Lion's `mu`) rather than overwrite it, in the
-    running branch and, for the conditional's output, in the other; made to
-    follow a value read from every update, it is written in place. Other
-    backends compute both in one loop and need no order."""
+    update (or new params) leaf, so that it is written in place."""
     at = [i for i in range(n_updates) if isinstance(leaves[i], jax.Array)]
     ordered = [
         i
@@ -152,14 +126,11 @@ def state_after_updates(
         and not is_typed_key(leaves[i])
         and jnp.issubdtype(leaves[i].dtype, jnp.number)
     ]
-    # Inside `shard_map`, or with a leaf sharded in its type (`Explicit`
-    # axes, where one element has no type), no token: XLA may copy.
     unreadable = any(varying_axes(x) or typed_sharding(x) for x in leaves)
     if not at or not ordered or unreadable or not active().state_after_updates:
         return leaves
 
     def after(updates, state):
-        # The updates returned are the barrier's: computed once, before.
         updates = lax.optimization_barrier(updates)
         token = read_token(updates)
         if token is None:
@@ -179,10 +150,8 @@ def state_after_updates(
 
 
 def scalar_barrier(tree: PyTree, ran: jax.Array) -> tuple[PyTree, jax.Array]:
-    """`tree` and `ran` with `ran` and every scalar leaf of `tree` passed
-    through one `lax.optimization_barrier`, grouped by the mesh axes they
-    vary over inside `jax.shard_map` (a barrier's outputs vary over all its
-    inputs' axes)."""
+    """`tree` and `ran` with `ran` and every scalar leaf of `tree` behind an
+    optimization barrier, one per set of mesh axes they vary over."""
     if not active().scalar_barrier:
         return tree, ran
     leaves, treedef = jax.tree.flatten(tree)
@@ -207,22 +176,13 @@ def scalar_barrier(tree: PyTree, ran: jax.Array) -> tuple[PyTree, jax.Array]:
     return jax.tree.unflatten(treedef, out), ran
 
 
-# Leaves from this many elements get zeros of their own (`distinct_zeros`);
-# below it a copy of a shared broadcast costs less than one more kernel to
-# launch and to compile.
+# Leaves from this many elements get zeros of their own (`distinct_zeros`).
 DISTINCT_ZEROS_MIN_SIZE = 1 << 16
 
 
 def distinct_zeros(avals: list[Any], seed: jax.Array | None) -> list[jax.Array]:
-    """Zeros of `avals`, no two large ones one computation to XLA.
-
-    Zeros of one shape are one broadcast to XLA, which then copies it into
-    each output of the `cond` that holds it. Here leaf `i` of at least
-    `DISTINCT_ZEROS_MIN_SIZE` elements broadcasts `float(seed + i) * 0`, a
-    product XLA does not fold (it would not be 0 for an infinite factor),
-    and exactly `+0` for the finite factor it is: nothing to merge, each
-    written once, straight into its output. Without a traced `seed` plain
-    zeros."""
+    """Zeros of `avals`, each large one `float(seed + i) * 0`, which XLA
+    neither folds nor merges; plain zeros without a traced `seed`."""
     if not active().distinct_zeros:
         seed = None
     out = []
@@ -239,8 +199,6 @@ def distinct_zeros(avals: list[Any], seed: jax.Array | None) -> list[jax.Array]:
             z = lax.full(aval.shape, zero, dtype, sharding=aval.sharding)
         else:
             z = lax.broadcast(zero, aval.shape)
-        # Inside `jax.shard_map` the running branch's outputs may vary over
-        # mesh axes (updates of params sharded over a manual axis).
         axes = (aval_varying_axes(aval) or frozenset()) - (
             varying_axes(z) or frozenset()
         )
@@ -249,9 +207,8 @@ def distinct_zeros(avals: list[Any], seed: jax.Array | None) -> list[jax.Array]:
 
 
 def fold_apart(tree: PyTree) -> PyTree:
-    """`tree` (the folded accumulator, before the drop-in's inner optimizer
-    runs on every step) with each leaf of rank 0 or 1 behind an
-    optimization barrier of its own, on TPUs only (docs/design.md)."""
+    """`tree` with each leaf of rank 0 or 1 behind an optimization barrier
+    of its own, on TPUs only."""
     if not active().fold_apart:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
