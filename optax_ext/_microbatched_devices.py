@@ -1,9 +1,6 @@
-"""Where `microbatched`'s loop runs, and the one reduction across devices
-after it: as it is (one device, or XLA's partitioner with FSDP params), or
-inside a `jax.shard_map` over the batch's mesh axes that this module adds,
-or inside the caller's `shard_map` over `axis_name`. Each device
-accumulates its own rows; the means, sums and weights meet in one
-collective after the loop.
+"""Where `microbatched`'s loop runs (as it is, in a `jax.shard_map` over
+the batch's mesh axes, or in the caller's over `axis_name`), and the one
+reduction across devices after it.
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ _MSG_CLOSED_OVER = (
 
 
 def _is_manual(axis_name: Hashable) -> bool:
-    """Whether `axis_name` is bound here as a collective axis: inside
-    `jax.shard_map` over it (or `vmap`/`pmap` with that name)."""
+    """Whether `axis_name` is bound here as a collective axis."""
     mesh = jax.sharding.get_abstract_mesh()
     names = axis_names(axis_name)
     if mesh.axis_names and all(n in mesh.axis_names for n in names):
@@ -54,8 +50,8 @@ def _is_manual(axis_name: Hashable) -> bool:
 
 
 def _batch_spec(args: tuple, argnums: tuple[int, ...]) -> tuple[Any, Any]:
-    """The mesh axes the batch's leading dimension is sharded over and the
-    mesh, where that is part of its type (`Explicit` axes); Nones otherwise."""
+    """The mesh axes the batch's leading dimension is sharded over in its
+    type, and the mesh; Nones otherwise."""
     specs = set()
     mesh = None
     for i in argnums:
@@ -76,11 +72,8 @@ def _shards_over_batch_axes(
     args: tuple, kwargs: dict, argnums: tuple[int, ...], spec: Any
 ) -> bool:
     """Whether an argument other than the batch is split over the batch's
-    mesh axes in its type (FSDP params): then the loop runs under the
-    partitioner, which gathers the params as each micro-batch's forward
-    pass needs them and reduce-scatters its gradients into the sharded
-    accumulator, as for the plain jitted gradient (a `shard_map` over the
-    batch's axes would gather the whole model first)."""
+    mesh axes in its type (FSDP params: the loop then runs under the
+    partitioner)."""
     others = [a for i, a in enumerate(args) if i not in argnums]
     return shards_over((others, kwargs), spec)
 
@@ -88,8 +81,8 @@ def _shards_over_batch_axes(
 def run_on_devices(
     settings: LoopSettings, axis_name: Hashable | None, args: tuple, kwargs: dict
 ) -> PyTree:
-    """`microbatched`'s result: the loop, run where the batch lies (see
-    `microbatched`'s docstring, Sharding), and the reduction after it."""
+    """`microbatched`'s result: the loop, run where the batch lies, and the
+    reduction after it."""
     if axis_name is not None and _is_manual(axis_name):
         return _run(settings, axis_name, args, kwargs)[0]
     spec, mesh = _batch_spec(args, settings.batch_argnums)
@@ -115,8 +108,6 @@ def run_on_devices(
     if spec is None or _shards_over_batch_axes(
         args, kwargs, settings.batch_argnums, spec
     ):
-        # The partitioner runs the loop: params sharded (or, with `Auto`
-        # axes, maybe sharded) are gathered in each micro-batch.
         regather = jax.device_count() > 1
         return _run(settings, None, args, kwargs, regather=regather)[0]
     return _in_shard_map(settings, mesh, spec, args, kwargs)
@@ -130,8 +121,8 @@ def _run(
     *,
     regather: bool = False,
 ) -> tuple[PyTree, list[bool]]:
-    """The loop and the reduction after it across `axis_name` (if bound):
-    the output, and which of its combined leaves are per-example rows."""
+    """The output after the loop and reduction, and which of its combined
+    leaves are per-example rows."""
     looped = accumulate(settings, axis_name, args, kwargs, regather=regather)
     values, total = _across_devices(looped, axis_name)
     results = []
@@ -140,8 +131,6 @@ def _run(
             a = _batch_share(a, kind, looped, total, axis_name)
         if isinstance(kind, Rows):
             a = _unsplit(a)
-        # grad_fn's dtype and weak type (the gradient of a Python float is
-        # weakly typed; a strong one would recompile the caller's step).
         results.append(cast_like(a, s))
     tree = jax.tree_util.tree_unflatten(looped.treedef, results)
     rows = [isinstance(kind, Rows) for kind in looped.kinds]
@@ -156,10 +145,8 @@ def _batch_share(
     axis_name: Hashable | None,
 ) -> jax.Array:
     """A gradient with respect to the batch, `(rows, k, ...)`, each
-    micro-batch's rows scaled by its share of the batch's loss: `1 / (n d)`
-    for the mean of `n` micro-batches on each of `d` devices, `1 / d`
-    summed; `w_j / W` for the weighted mean (`W` the weights' sum over
-    every device), `w_j` summed. A micro-batch of weight 0 gives zeros."""
+    micro-batch's rows scaled by its share of the batch (`1 / (n d)`,
+    `w_j / W`; summed `1 / d`, `w_j`)."""
     wide = acc.astype(work_dtype(acc.dtype))
     by_microbatch = (1, acc.shape[1]) + (1,) * (acc.ndim - 2)
     devices = 1 if axis_name is None else lax.axis_size(axis_name)
@@ -177,17 +164,15 @@ def _batch_share(
 
 
 def _unsplit(acc: jax.Array) -> jax.Array:
-    """A per-example output's carry `(rows, k, ...)` as the batch's rows:
-    micro-batch `j`'s row `a` is the batch's row `a * k + j`."""
+    """A per-example output's carry `(rows, k, ...)` as the batch's rows."""
     return acc.reshape(acc.shape[0] * acc.shape[1], *acc.shape[2:])
 
 
 def _across_devices(
     looped: Looped, axis_name: Hashable | None
 ) -> tuple[list, jax.Array]:
-    """Each output's accumulation over every device and the weights' sum
-    (this device's without `axis_name`): every reduced output's part
-    (`Accumulator.part`) and the weight in one all-reduce."""
+    """Each output's accumulation over every device and the weights' sum,
+    in one all-reduce."""
     acc, total = looped.accumulators, looped.weight
     if axis_name is None:
         return acc, total
@@ -211,8 +196,7 @@ def _in_shard_map(
     settings: LoopSettings, mesh: Any, spec: Any, args: tuple, kwargs: dict
 ) -> PyTree:
     """Runs the loop inside a `jax.shard_map` manual over the batch's axes
-    only: the batch enters split over them, everything else replicated;
-    per-example outputs leave split over them, the rest replicated."""
+    only, which split the batch and the per-example outputs."""
     axes = axis_names(spec)
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     dyn_args, dyn_kwargs = dynamic
@@ -221,11 +205,9 @@ def _in_shard_map(
         tuple(P(spec) if i in batch else P() for i in range(len(dyn_args))),
         P(),
     )
-    # What the traced function learns about its output, for outside it.
     out_static, out_def, per_example = [], [], []
 
-    # A traced count enters as an operand: `shard_map` cannot close over a
-    # value typed with `Explicit` axes.
+    # A traced count enters as an operand: `shard_map` cannot close over it.
     count = settings.num_real_microbatches
     traced_count = isinstance(count, jax.Array)
 

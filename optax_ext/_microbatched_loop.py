@@ -1,9 +1,5 @@
-"""The loop of `microbatched` on this device's rows: the batch cut into `k`
-micro-batches (rows `j, j + k, ...`), `grad_fn` called on each in a
-`lax.fori_loop`, and each output leaf folded into its accumulator by kind
-(mean, weighted mean, sum, any, per-example rows, rows of a gradient with
-respect to the batch) with `_accumulate.arithmetic`'s arithmetic. What happens across
-devices after the loop is `_microbatched_devices`'.
+"""The loop of `microbatched` on this device's rows: `grad_fn` on each of
+`k` micro-batches in a `lax.fori_loop`, each output leaf folded by its kind.
 """
 
 from __future__ import annotations
@@ -57,35 +53,21 @@ class LoopSettings(NamedTuple):
 
 
 class Looped(NamedTuple):
-    """The loop's result on this device, before any reduction across
-    devices: one accumulator per combined output leaf, flat."""
+    """The loop's result on this device, one accumulator per combined output
+    leaf, flat."""
 
-    kinds: list[Any]
-    """Per leaf, how it is combined: an `Accumulator` (floating), `Count`
-    (integer), `AnyOf` (bool), `Rows` or `GradientRows` (`per_example`)."""
-    accumulators: list[jax.Array]
-    """Per leaf: the mean or sum (weighted with `weight_fn`), the count,
-    the any, or the rows as `(rows, k, ...)`."""
-    weight: jax.Array
-    """The sum of the micro-batches' weights (0 without `weight_fn`)."""
-    weights: jax.Array | None
-    """With `weight_fn`, each micro-batch's weight, `(k,)` (0 where it did
-    not run); None without."""
-    count: Any
-    """How many micro-batches ran: `k`, or `num_real_microbatches` (an int,
-    or a traced int32 clipped to `[0, k]`)."""
-    structs: list[jax.ShapeDtypeStruct]
-    """Per leaf: `grad_fn`'s output on one micro-batch."""
-    treedef: Any
-    """The structure of the combined leaves of `grad_fn`'s output."""
-    static: PyTree
-    """The rest of the output (non-arrays, float0 gradients), as given."""
+    kinds: list[Any]  # per leaf: `Accumulator`, `Count`, `AnyOf`, `Rows`...
+    accumulators: list[jax.Array]  # per leaf; rows as `(rows, k, ...)`
+    weight: jax.Array  # the micro-batches' weights summed (0 without)
+    weights: jax.Array | None  # each micro-batch's weight, `(k,)`, or None
+    count: Any  # how many micro-batches ran (an int, or a traced int32)
+    structs: list[jax.ShapeDtypeStruct]  # per leaf: output on one micro-batch
+    treedef: Any  # the structure of the combined leaves
+    static: PyTree  # the rest of the output (non-arrays, float0), as given
 
 
 def is_float0(x: Any) -> bool:
-    """Whether `x` (an array or a `ShapeDtypeStruct`) has dtype float0: what
-    `jax.grad(..., allow_int=True)` gives for an integer input. It holds no
-    values: `microbatched` returns it as `grad_fn` gives it."""
+    """Whether `x` (an array or a `ShapeDtypeStruct`) has dtype float0."""
     return getattr(x, "dtype", None) == jax.dtypes.float0
 
 
@@ -96,8 +78,7 @@ def is_combined(x: Any) -> bool:
 
 def pcast_varying(tree: PyTree, axis_name: Hashable) -> PyTree:
     """Types every array of `tree` as differing across `axis_name`, so that
-    `jax.grad` inside `shard_map` returns this device's own gradient instead
-    of summing it over the devices (in every micro-batch)."""
+    `jax.grad` inside `shard_map` does not sum its gradient over devices."""
 
     def cast(x: Any) -> Any:
         if not isinstance(x, jax.Array):
@@ -116,8 +97,7 @@ def pcast_varying(tree: PyTree, axis_name: Hashable) -> PyTree:
 
 
 def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
-    """`value` typed as varying wherever the carry `like` is (a loop carry
-    keeps its type)."""
+    """`value` typed as varying wherever the carry `like` is."""
     want, have = varying_axes(like), varying_axes(value)
     if want is None or have is None or want <= have:
         return value
@@ -126,7 +106,7 @@ def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
 
 def _zero(kind: Any, struct: Any, dtype: Any, k: int) -> jax.Array:
     """A leaf's first carry: zeros, sharded as its output where its type
-    says (a sharded accumulator), `(rows, k, ...)` for rows."""
+    says."""
     if isinstance(kind, Rows):
         return _rows_accumulator(struct, k, dtype)
     return zeros_like_struct(struct, dtype)
@@ -178,9 +158,7 @@ def is_gradient_mark(flag: Any) -> bool:
 
 
 def _per_example_flags(per_example: Any, out_shape: PyTree, shapes: PyTree) -> list:
-    """`per_example` (a bool, `"gradient"`, or a pytree prefix of grad_fn's
-    output with such leaves) as one mark per array leaf of the output:
-    False, True or `"gradient"`."""
+    """`per_example` as one mark per array leaf of the output."""
     if isinstance(per_example, bool) or is_gradient_mark(per_example):
         return [per_example] * len(jax.tree.leaves(shapes))
     try:
@@ -194,7 +172,6 @@ def _per_example_flags(per_example: Any, out_shape: PyTree, shapes: PyTree) -> l
             f"{jax.tree.structure(out_shape)}, "
             f"per_example is {jax.tree.structure(per_example)}. ({e})"
         ) from None
-    # Their values were checked when `microbatched` was built.
     flags = jax.tree.leaves(full)
     return [flag if is_gradient_mark(flag) else bool(flag) for flag in flags]
 
@@ -243,14 +220,12 @@ def _kind_and_dtype(
 def _plan_outputs(
     out_shape: PyTree, settings: LoopSettings, rows: int
 ) -> tuple[list[Any], list[Any], list[Any], Any, PyTree]:
-    """From `grad_fn`'s output on one micro-batch (its shapes): per combined
-    leaf its kind and accumulator dtype, and its struct; their structure;
-    and the rest of the output, as it comes back."""
+    """Per combined leaf of `grad_fn`'s output its kind, accumulator dtype
+    and struct; their structure; and the rest of the output."""
     is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     combined = lambda x: is_struct(x) and not is_float0(x)  # noqa: E731
     shapes, static = eqx.partition(out_shape, combined, is_leaf=is_struct)
-    # A float0 gradient (of an integer input) comes back as the NumPy array
-    # of its shape that jax.grad returns.
+    # A float0 gradient comes back as the NumPy array jax.grad returns.
     static = jax.tree.map(
         lambda x: np.zeros(x.shape, x.dtype) if is_struct(x) else x,
         static,
@@ -269,9 +244,8 @@ def _plan_outputs(
 
 
 def _rows_accumulator(struct: Any, k: int, dtype: Any) -> jax.Array:
-    """Zeros for a per-example output's `k` micro-batches, `(rows, k, ...)`:
-    where the output's type is sharded (`Explicit` axes), its rows keep
-    their split and the new micro-batch axis is whole."""
+    """Zeros `(rows, k, ...)` for a per-example output, its rows split as
+    the output's type says."""
     shape = (struct.shape[0], k, *struct.shape[1:])
     if not sharded_type(struct):
         return jnp.zeros(shape, dtype)
@@ -282,10 +256,8 @@ def _rows_accumulator(struct: Any, k: int, dtype: Any) -> jax.Array:
 
 
 def _params_barrier(j: jax.Array, tree: Any, argnums: tuple[int, ...]) -> Any:
-    """`(args, kwargs)` as they are, but their arrays outside the batch
-    positions made to depend on `j` for XLA (an `optimization_barrier`), so
-    that it gathers sharded params in each micro-batch instead of hoisting
-    the gathers out of the loop (`docs/design.md`, FSDP)."""
+    """`(args, kwargs)` with their arrays outside the batch positions made
+    to depend on `j`, so XLA cannot hoist their gathers out of the loop."""
     args, kwargs = tree
     others = {i: a for i, a in enumerate(args) if i not in argnums}
     dynamic, static = eqx.partition((others, kwargs), eqx.is_array)
@@ -339,9 +311,7 @@ def _initial_carry(
 
 
 class _MicroBatches:
-    """The loop's view of the call: micro-batch `j`'s arguments (its rows
-    of each batch argument, its own key, and with `regather` the rest
-    through `_params_barrier`), and `grad_fn` and `weight_fn` on them."""
+    """Micro-batch `j`'s arguments, and `grad_fn` and `weight_fn` on them."""
 
     def __init__(self, settings, axis_name, args, kwargs, regather):
         k, argnums, key_argnum = (
@@ -352,8 +322,7 @@ class _MicroBatches:
         if axis_name is not None:
             args, kwargs = pcast_varying((args, kwargs), axis_name)
         self.rows = _rows(args, argnums, k) // k
-        # Rows (a * k + j) form micro-batch j: a device's rows stay its own
-        # in every micro-batch.
+        # Rows (a * k + j) form micro-batch j.
         self.split = {
             i: jax.tree.map(lambda x: split_leading(x, k), args[i]) for i in argnums
         }

@@ -1,8 +1,6 @@
 """`MultiSteps`: gradient accumulation, a drop-in for `optax.MultiSteps`.
-Each step prepares its inputs, decides whether the window ends, folds the
-gradients and runs the inner optimizer in the step's form
-(`_accumulate/window`); the state's counters move by selection. Why this
-keeps memory at optax's or below: `docs/design.md`.
+A step prepares its inputs, decides whether the window ends, then folds and
+runs the inner optimizer (`_accumulate/window`).
 """
 
 from __future__ import annotations
@@ -47,21 +45,16 @@ State = optax.MultiStepsState | WeightedMultiStepsState
 
 
 def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
-    """Whether the mini-step `mini_step` (counted from 0) completes a window of
-    `k`. A traced `k` that is not a whole number closes the window at the
-    first mini-step count reaching it (`ceil(k)`); one that is not greater
-    than 0 (or NaN) never does: the window goes on accumulating, as in optax,
-    which never emits for such `k`."""
+    """Whether mini-step `mini_step` (from 0) completes a window of `k`; never
+    for `k <= 0` or NaN, as in optax."""
     return jnp.logical_and(k > 0, mini_step + 1 >= k)
 
 
 def _next_state(
     state: State, step: MiniStep, emitted: jax.Array, devices: Any, fields: dict
 ) -> State:
-    """The state after a mini-step with `fields`: a window restarts where it
-    ended, `gradient_step` counts the windows the inner optimizer ran on (a
-    weighted window of weight 0 ends without), a skipped step counts
-    nothing, neither counter overflows."""
+    """The state after a mini-step with `fields`, its counters moved by
+    selection and saturating."""
     mini_step = jnp.asarray(state.mini_step)
     count = jnp.where(step.should_skip, mini_step, saturating_increment(mini_step))
     mini = jnp.where(step.window_end, 0, count).astype(mini_step.dtype)
@@ -207,10 +200,8 @@ class MultiSteps(Configured):
     def init(self, params: optax.Params) -> State:
         """Builds the initial `optax.MultiStepsState` for `params`.
 
-        With `axis_name`, call it where that axis is bound (inside
-        `jax.shard_map`): `acc_grads` and `skip_state` then hold this
-        device's own values, with a leading axis of length 1 (see
-        `state_specs`).
+        With `axis_name`, call it inside `jax.shard_map`: `acc_grads` and
+        `skip_state` then hold this device's own values (`state_specs`).
         """
         params = accumulated(params)
         self._devices.check_bound("init")
@@ -247,9 +238,8 @@ class MultiSteps(Configured):
 
     def state_specs(self) -> State:
         """`PartitionSpec`s of the state (a prefix of its tree) for
-        `jax.shard_map`: `P()` everywhere, but `P(axis_name)` for `acc_grads`
-        and `skip_state` with `axis_name`, where each device accumulates its
-        own (outside `shard_map` their leaves have a leading device axis)."""
+        `jax.shard_map`: `P()`, but `P(axis_name)` for `acc_grads` and
+        `skip_state` with `axis_name`."""
         replicated: Any = jax.sharding.PartitionSpec()
         specs: dict[str, Any] = dict(
             mini_step=replicated,
@@ -271,8 +261,7 @@ class MultiSteps(Configured):
     ) -> tuple[optax.Updates, State]:
         """Accumulates `updates`; returns the inner optimizer's updates on the
         last mini-step of a window and zeros otherwise. With `weighted=True`,
-        pass `weight=` (this mini-step's weight); it is not forwarded to the
-        inner optimizer."""
+        pass `weight=` (not forwarded to the inner optimizer)."""
         return self._step(updates, state, params, extra_args, fused=False)
 
     def _apply_gradients(
@@ -284,9 +273,8 @@ class MultiSteps(Configured):
         emit: bool | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Params, State]:
-        """`update` followed by applying the updates to `params`, fused: a
-        mini-step returns `params` as they came in, without building zero
-        updates (`optax_ext.apply_gradients` calls this)."""
+        """`update` and applying its updates to `params`, fused (for
+        `optax_ext.apply_gradients`)."""
         return self._step(grads, state, params, extra_args, fused=True, emit=emit)
 
     def _step(
@@ -299,10 +287,7 @@ class MultiSteps(Configured):
         fused: bool,
         emit: bool | None = None,
     ) -> tuple[PyTree, State]:
-        """`update` (`fused=False`) or `_apply_gradients`: checks the inputs
-        once, folds the gradients into the accumulator, decides whether the
-        window ends, runs the inner optimizer in the one conditional, and
-        returns its updates (or the new params) with the next state."""
+        """`update` (`fused=False`) or `_apply_gradients`."""
         given, all_params = grads, params
         method = "apply_gradients" if fused else "update"
         step = prepare_step(self, grads, state, params, extra_args, method)
@@ -322,8 +307,6 @@ class MultiSteps(Configured):
         else:
             result = restore_none(given, result)
         fields = dict(
-            # A value written into the state weakly typed (`jnp.asarray(1e-2)`)
-            # leaves with init's avals.
             inner_opt_state=strong_as_recorded(inner_state, step.record),
             acc_grads=acc,
             skip_state=self._devices.add_axis(skip_state),
@@ -331,9 +314,7 @@ class MultiSteps(Configured):
         return result, _next_state(state, decided, emitted, self._devices, fields)
 
     def _decide(self, step: Any, state: State, emit: bool | None) -> tuple:
-        """The skip function's state and this mini-step's decisions: whether
-        it is skipped, its weights, whether it ends its window (at `k`
-        accepted mini-steps, or as `emit` says)."""
+        """The skip function's state and this mini-step's decisions."""
         mini_step = jnp.asarray(state.mini_step)
         skip_fn = self._should_skip_update_fn
         gradient_step = jnp.asarray(state.gradient_step)
@@ -344,7 +325,6 @@ class MultiSteps(Configured):
             should_skip = self._devices.agree(should_skip)
         stored = weights = None
         if self._weighted:
-            # `check_state` saw its float `acc_weight`.
             acc_weight = cast(WeightedMultiStepsState, state).acc_weight
             stored, weights = window_weights(
                 self._window.accumulator, acc_weight, step.weight, mini_step
@@ -355,12 +335,9 @@ class MultiSteps(Configured):
 
     def optax_state(self, state: State) -> State:
         """`state` as `optax.MultiSteps` holds it at the same step, for it
-        to go on from: `acc_grads` zeros after a window's last mini-step,
-        where optax_ext keeps the window's mean for its next fold to
-        overwrite and optax would add to it; every `MultiSteps` state nested
-        in the inner state too. Jittable. A window held open past its length
-        (`apply_gradients(..., emit=False)`), which optax would never close,
-        is refused where the counters are known.
+        to go on from: `acc_grads` zeros after a window's last mini-step
+        (nested `MultiSteps` states too). Jittable. A window held open past
+        its length (`emit=False`) is refused where the counters are known.
 
         **Example:**
 
@@ -390,12 +367,10 @@ class MultiSteps(Configured):
         return _as_optax_holds_it(state)
 
     def emits_next(self, state: State) -> bool:
-        """Whether the window ends on the next accepted mini-step, as
-        `every_k_schedule` says (`mini_step + 1 >= k`): on the host, for a
-        loop that passes `apply_gradients(..., emit=)`. After a resume, start
-        the loop's count from the state (`int(state.mini_step)`); a loop
-        whose `emit=` differs from this has lost count of the window.
-        Reads the counters off the device, so it is not for inside `jit`.
+        """Whether the window ends on the next accepted mini-step, for a host
+        loop that passes `apply_gradients(..., emit=)`; not for inside `jit`
+        (it reads the counters off the device). After a resume, start the
+        loop's count from `int(state.mini_step)`.
 
         **Example:**
 
@@ -418,19 +393,16 @@ class MultiSteps(Configured):
         return bool(_window_complete(jnp.asarray(mini), self._known_k(gradient)))
 
     def _known_k(self, gradient_step: int) -> jax.Array:
-        """The window length at `gradient_step`, on the host. A Python or
-        NumPy number is refused where `update` refuses it (not a whole
-        number from 1); a JAX array, traced in the jitted `update`, is taken
-        as `update` takes it there."""
+        """The window length at `gradient_step`, on the host, checked as
+        `update` checks it."""
         step = jnp.asarray(gradient_step, jnp.int32)
         k = self._every_k_schedule(step)
         return k if isinstance(k, jax.Array) else check_k(k, step)
 
     def has_updated(self, state: State) -> Bool[Array, ""]:
-        """`True` when the last *accepted* mini-step completed a window, from
-        the counters as in optax (`mini_step == 0 and gradient_step > 0`): a
-        skipped step right after an emitting one leaves it `True`, as in
-        optax; `state.skip_state` tells the two apart."""
+        """`True` when the last *accepted* mini-step completed a window
+        (`mini_step == 0 and gradient_step > 0`, as in optax: still `True`
+        after a skipped step that follows; `state.skip_state` tells)."""
         check_state(state, "has_updated", counters=False)
         return jnp.logical_and(
             jnp.asarray(state.mini_step) == 0, jnp.asarray(state.gradient_step) > 0

@@ -1,6 +1,5 @@
-"""What `MultiSteps` checks of its arguments and inputs, each error naming
-the argument, what was passed and what is expected: `prepare_step` builds a
-step's inputs, `check_state` checks a state once. Why: `docs/design.md`.
+"""What `MultiSteps` checks of its arguments and inputs: `prepare_step`
+builds a step's inputs, `check_state` checks a state once.
 """
 
 from __future__ import annotations
@@ -147,8 +146,7 @@ def prepare_step(
     extra_args: dict[str, Any],
     method: str,
 ) -> StepInputs:
-    """The inputs of a step of the `MultiSteps` `opt`, checked in the order
-    a bad input is reported (as `docs/design.md` lists them)."""
+    """The inputs of a step of the `MultiSteps` `opt`, checked."""
     devices = opt._devices
     devices.check_bound(method)
     extra_args = dict(extra_args)
@@ -158,9 +156,7 @@ def prepare_step(
     if params is not None:
         params = accumulated(params)
         _check_params(params, acc)
-    # Integer and Python-number params hold state (as in optax) but get a
-    # `None` gradient from `eqx.filter_grad`: zeros there, `None` back in
-    # the updates.
+    # `None` gradients (`eqx.filter_grad`'s integer params) as zeros.
     given, grads = grads, zeros_where_undifferentiated(grads, params)
     _check_gradients(grads, acc, opt._accumulator_dtype)
     who, state_arg = _caller(method)
@@ -188,9 +184,8 @@ def check_state(
     counters: bool = True,
     weight: Any = NO_WEIGHT,
 ) -> Any:
-    """Raises unless `state` has `MultiStepsState`'s fields, then (with
-    `counters`) scalar integer counters, arrays for a step (`weighted` given,
-    which checks `_check_weighted` too and returns the checked `weight`)."""
+    """Raises unless `state` has `MultiStepsState`'s fields and (with
+    `counters`) scalar integer counters; with `weighted`, returns `weight`."""
     who, state_arg = _caller(method)
     fields = optax.MultiStepsState._fields
     missing = [f for f in fields if not hasattr(state, f)]
@@ -228,8 +223,7 @@ def check_state(
 
 
 def _check_weighted(state: Any, weight: Any, weighted: bool, method: str) -> Any:
-    """The mini-step's `weight` (given exactly when `weighted`, real, >= 0
-    and finite where known), then the state's kind and `acc_weight`."""
+    """The mini-step's `weight`, checked, then the state's `acc_weight`."""
     who, state_arg = _caller(method)
     if not weighted:
         if weight is not NO_WEIGHT:
@@ -300,9 +294,8 @@ def validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
 
 
 def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
-    """The window length from `every_k_schedule`, as optax accepts it; a
-    known one must be a whole number from 1 to 2**31 - 1 (a traced one is
-    `_window_complete`'s)."""
+    """The window length from `every_k_schedule`; a known one must be a whole
+    number from 1 to 2**31 - 1."""
     try:
         known = np.asarray(k)
     except _UNREAD:
@@ -321,7 +314,7 @@ def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
     if kind.dtype == jnp.bool_:
         k = jnp.asarray(k, jnp.int32)
     if known is None:
-        return jnp.asarray(k)  # traced under jit: see `_window_complete`
+        return jnp.asarray(k)
     value = known.item()
     if not 1 <= value <= INT32_MAX or value != int(value):
         try:
@@ -357,11 +350,8 @@ def skip_decision(
     params: PyTree,
     weight: Any = None,
 ) -> tuple[jax.Array, PyTree]:
-    """`fn(updates, gradient_step, params)` checked: a scalar bool and the
-    skip state; never skip (and an empty state) without `fn`. A mini-step of
-    `weight` 0 has its gradient not read (an all-padding micro-batch's NaN):
-    `fn` sees zeros there, so such a step counts as accepted and adds
-    nothing."""
+    """`fn(updates, gradient_step, params)` checked; never skip without `fn`.
+    `fn` sees zeros for a mini-step of `weight` 0."""
     if fn is None:
         return jnp.zeros((), jnp.bool_), ()
     if weight is not None:
@@ -389,8 +379,7 @@ def skip_decision(
 
 
 def _check_params(params: PyTree, acc: PyTree) -> None:
-    """Raises where the params' optimised leaves do not fit the accumulator
-    `init` built from the params: another tree, or other shapes."""
+    """Raises where the params do not fit the accumulator."""
     names = dict(expected_name=_ACC, got_name="the params")
     hint = _HINT_PARAMS[0].upper() + _HINT_PARAMS[1:]
     check_same_structure(acc, params, **names, hint=hint)
@@ -398,8 +387,7 @@ def _check_params(params: PyTree, acc: PyTree) -> None:
 
 
 def _check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None:
-    """Raises where the gradients do not fit the accumulator: another tree
-    or shapes, or a dtype it does not hold (accumulating would round)."""
+    """Raises where the gradients do not fit the accumulator."""
     check_same_structure(acc, grads, expected_name=_ACC, got_name="the updates")
     check_same_shapes(
         acc,

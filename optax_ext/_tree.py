@@ -1,7 +1,5 @@
-"""Pytree helpers shared by the transformations: structure and shape checks
-whose errors name the first path that differs, dtype- and weak-type-keeping
-casts, and the descriptions of values that error messages use. Which leaves
-are optimised is `_leaves.py`; what an inner `init` builds, `_records.py`.
+"""Pytree helpers: structure and shape checks naming the first path that
+differs, casts that keep dtype and weak type, and values described for errors.
 """
 
 from __future__ import annotations
@@ -109,11 +107,8 @@ def check_same_structure(
     got_name: str,
     hint: str = _STRUCTURE_HINT,
 ) -> None:
-    """Raises a `ValueError` naming the first path where two trees differ.
-
-    `None` counts as a leaf here, so an array where the state holds `None`
-    (or the reverse) is reported too.
-    """
+    """Raises a `ValueError` naming the first path where two trees differ
+    (`None` counting as a leaf)."""
     exp_leaves, exp_def = jax.tree_util.tree_flatten_with_path(
         expected, is_leaf=is_none
     )
@@ -137,8 +132,7 @@ def check_same_structure(
 def check_same_shapes(
     expected: PyTree, got: PyTree, *, expected_name: str, got_name: str, hint: str
 ) -> None:
-    """Raises a `ValueError` naming the first path where leaf shapes differ
-    (the trees have the same structure)."""
+    """Raises a `ValueError` naming the first path where leaf shapes differ."""
     for (path, e), g in zip(
         jax.tree_util.tree_flatten_with_path(expected)[0],
         jax.tree.leaves(got),
@@ -156,8 +150,7 @@ def saturating_increment(x: jax.Array) -> jax.Array:
     """`x + 1`, staying at the dtype's maximum instead of wrapping around."""
     x = jnp.asarray(x)
     top = jnp.iinfo(x.dtype).max
-    # The same expression as `optax.safe_increment`: XLA compiles one
-    # kernel for this count and the inner optimizer's.
+    # As `optax.safe_increment`: one kernel for this count and the inner one.
     return jnp.where(x < top, x + 1, jnp.asarray(top, x.dtype)).astype(x.dtype)
 
 
@@ -167,41 +160,29 @@ def is_weak(x: Any) -> bool:
 
 def cast_like(x: jax.Array, like: Any) -> jax.Array:
     """Returns `x` with the dtype and weak type of `like`, an array or a
-    `jax.ShapeDtypeStruct` (shapes must agree).
-
-    A weakly typed value promotes like a Python scalar: multiplied with a
-    bfloat16 array it gives bfloat16, where a strongly typed float32 would
-    make the product float32. `lax.full_like` is the public operation that
-    produces a weak result: it keeps the weak type of its template.
-    """
+    `jax.ShapeDtypeStruct` of its shape (through `lax.full_like`)."""
     x = jnp.asarray(x)
     if x.dtype == like.dtype and is_weak(x) == is_weak(like):
         return x
     if not is_weak(like):
         return lax.convert_element_type(x, like.dtype)
     if isinstance(like, jax.ShapeDtypeStruct):
-        # `lax.full_like` of a struct is strong: start from the weak value a
-        # Python number of that kind gives (its default dtype). A weak type
-        # of another dtype has no public constructor: it comes back strong.
+        # A weak type other than the default has no public constructor.
         template = as_weak(jnp.zeros((), like.dtype))
         if template.dtype != like.dtype:
             return lax.convert_element_type(x, like.dtype)
     else:
         template = lax.full_like(like, 0, shape=())
     fill = lambda v: lax.full_like(template, v)  # noqa: E731
-    # One vmap per axis rather than over a flattened `x`: a reshape of an
-    # array sharded over an Explicit mesh axis is a sharding error.
+    # One vmap per axis: reshaping an `Explicit`-sharded array is an error.
     for _ in range(x.ndim):
         fill = jax.vmap(fill)
     return fill(x)
 
 
 def as_weak(x: jax.Array) -> jax.Array:
-    """Returns `x` as a weakly typed array of the default dtype of its kind.
-
-    This is how a Python `float` (or `int`, `complex`) of the same value would
-    enter a traced computation.
-    """
+    """Returns `x` as a Python number of its kind enters a trace: weakly
+    typed, of the default dtype."""
     x = jnp.asarray(x)
     if is_weak(x):
         return x
@@ -220,14 +201,12 @@ def check_updates_fit_params(
     updates: PyTree, params: PyTree, who: str, name: str = "updates"
 ) -> None:
     """Raises a `ValueError` naming the first path where `updates` do not have
-    the tree of `optimised(params)` (a `None` update may stand for any param
-    leaf, as `eqx.filter_grad` gives); nothing to check without params."""
+    the tree of `optimised(params)` (a `None` update fits any leaf)."""
     if params is None:
         return
     kept = optimised(params)
 
     def flat(tree: PyTree) -> PyTree:
-        # `None` (no gradient) fits any param leaf: compare containers only.
         return jax.tree.map(
             lambda x: _NO_UPDATE if x is None else x, tree, is_leaf=is_none
         )
@@ -261,8 +240,7 @@ def describe_value(value: Any) -> str:
 
 
 def as_index(value: Any) -> int | None:
-    """`value` as a Python int if it is an integer (`int`, a NumPy or JAX
-    integer scalar), not a bool; `None` otherwise."""
+    """`value` as a Python int if it is an integer scalar (not a bool)."""
     if isinstance(value, bool):
         return None
     try:

@@ -1,8 +1,5 @@
-"""`MultiSteps(..., weighted=True)`: its state, the `weight=` of a
-mini-step, and the window's running weight. Each mini-step's gradient is
-folded with its weight `w` as `acc + (g - acc) / (W / w)`, `W` the window's
-running weight (`_accumulate.arithmetic.fold_weighted`); a weight-0 mini-step is not
-read (`docs/multi_steps.md`, "Uneven micro-batches").
+"""`MultiSteps(..., weighted=True)`: its state and the window's running
+weight (`docs/multi_steps.md`, "Uneven micro-batches").
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ def window_weights(
     accumulator: Accumulator, acc_weight: jax.Array, weight: Any, mini_step: jax.Array
 ) -> tuple[jax.Array, Weights]:
     """The state's running weight as it came in, and how `weight` folds in
-    after it (`Accumulator.weigh`); a window's first mini-step starts from
-    0, whatever the state holds."""
+    after it; a window's first mini-step starts from 0."""
     stored = acc_weight if jnp.ndim(acc_weight) == 0 else acc_weight[0]
     dtype = stored.dtype
     if not isinstance(weight, jax.Array):  # a Python or NumPy number: in
