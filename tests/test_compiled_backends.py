@@ -219,7 +219,7 @@ def _compiled(backend, layout, inner, dtype, form, weighted=False):
     state = opt.init(params)
     compiled = compile_step(backend, _step(opt, form, weighted), params, state, params)
     # Smaller leaves share one broadcast of zeros, copied (a kernel to
-    # compile less: optax_ext/_accumulate/branch.py, DISTINCT_ZEROS_MIN_SIZE).
+    # compile less: optax_ext/_accumulate/xla.py, DISTINCT_ZEROS_MIN_SIZE).
     shapes = {
         f"[{','.join(map(str, p.shape))}]" for p in params.values() if p.size >= 1 << 16
     }
@@ -281,7 +281,7 @@ def test_mini_step_runs_no_inner_optimizer(backend, layout, inner, dtype, form):
 
 def drop_in_in_conditional(backend):
     """Whether the drop-in `update` runs the inner optimizer in a
-    conditional (`optax_ext/_accumulate/window.drop_in_in_conditional`):
+    conditional (`optax_ext/_accumulate/xla.drop_in_in_conditional`):
     on XLA:CPU; elsewhere on every step, as optax does."""
     return backend == "cpu"
 
@@ -389,7 +389,7 @@ def test_tpu_steps_cost_no_more_cycles_than_optax(inner):
     model estimates (`_compiled.step_cost`). The drop-in's step, which runs
     the inner optimizer on every step there, costs at most 1.08x
     optax.MultiSteps' (Adam-W 1.077x, Lion 1.000x); without
-    `branch.fold_apart` 1.33x and 1.25x (the small leaves' moments put in
+    `xla.fold_apart` 1.33x and 1.25x (the small leaves' moments put in
     on-chip memory and copied out). Its whole train step is held within
     1% of optax's: test_train_step_memory.py. The fused mini-step costs
     within 1% of the fold alone (`emit=False`), its emitting step within

@@ -527,7 +527,7 @@ def test_deferred_mini_step_copies_no_array(inner):
     mini-step never copies the accumulator (updated in its buffer, cleared
     by the emitting branch), and with Adam no array at all. (Lion's `mu` of
     the 5-entry bias is copied: XLA duplicates the loop that the dependency
-    reads for so small a 1-D array; see `_ordering.read_token`.)"""
+    reads for so small a 1-D array; see `xla.read_token`.)"""
     params, xs, ys = _problem(1)
     tx = {"adam": optax.adam(1e-2), "lion": optax.lion(1e-3)}[inner]
     opt = optax_ext.MultiSteps(tx, K, axis_name="data")

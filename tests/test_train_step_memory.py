@@ -447,7 +447,7 @@ def test_drop_in_whole_step_on_tpu_costs_within_1_percent_of_optax():
     optax.MultiSteps' (1.009x). A barrier on every accumulator leaf gave
     1.126x (the fold stayed in the gradients' loops and pushed AdamW into
     loops of its own), none 1.038x (the small leaves' moments copied out
-    of on-chip memory): `branch.fold_apart`, docs/design.md."""
+    of on-chip memory): `xla.fold_apart`, docs/design.md."""
     _skip_unless("tpu")
     params, loss, batch = _gpt(
         jnp.float32, d=256, layers=4, heads=4, vocab=4096, seq=128, batch=8

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 from _helpers import hlo_computations
-from _tokens import concat, grad, micro_batch, params32, tokens
+from _tokens import concat, grad, micro_batch, params32, sum_grad, tokens
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -60,7 +60,7 @@ def _batches():
     ]
 
 
-def _reference(make_inner, params, batches):
+def _reference(make_inner, params, batches, window_grad=grad):
     inner = make_inner()
     state = inner.init(params)
     update = jax.jit(inner.update)
@@ -68,7 +68,7 @@ def _reference(make_inner, params, batches):
         window = concat([b for step in batches[K * w : K * w + K] for b in step])
         if tokens(window) == 0:
             continue
-        updates, state = update(grad(params, window), state, params)
+        updates, state = update(window_grad(params, window), state, params)
         params = optax.apply_updates(params, updates)
     return params
 
@@ -143,6 +143,21 @@ def test_devices_emit_the_mean_over_all_their_tokens(inner, form):
     # The last window holds no token: it applied nothing.
     assert int(state.gradient_step) == 2 and int(state.mini_step) == 0
     assert np.all(np.asarray(state.acc_weight) == 0)
+
+
+@pytest.mark.parametrize("form", ["update", "apply_gradients"])
+def test_devices_emit_the_sum_over_all_their_tokens(form):
+    """`use_grad_mean=False`: the window applies the inner optimizer to the
+    gradient of the token-summed loss over every device's micro-batches."""
+    params = params32()
+    batches = _batches()
+    opt = optax_ext.MultiSteps(
+        optax.sgd(1e-2), K, axis_name="data", weighted=True, use_grad_mean=False
+    )
+    got, state = _train(opt, params, batches, fused=form == "apply_gradients")
+    want = _reference(lambda: optax.sgd(1e-2), params, batches, sum_grad)
+    _assert_close(got, want)
+    assert int(state.gradient_step) == 2 and int(state.mini_step) == 0
 
 
 def test_unweighted_devices_miss_the_big_batch():
