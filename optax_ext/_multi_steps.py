@@ -197,7 +197,9 @@ class MultiSteps(Configured):
         """The wrapped optimizer."""
         return self._opt
 
-    def init(self, params: optax.Params) -> State:
+    def init(
+        self, params: optax.Params
+    ) -> optax.MultiStepsState | WeightedMultiStepsState:
         """Builds the initial `optax.MultiStepsState` for `params`.
 
         With `axis_name`, call it inside `jax.shard_map`: `acc_grads` and
@@ -236,7 +238,7 @@ class MultiSteps(Configured):
             *state, acc_weight=self._devices.add_axis(weight)
         )
 
-    def state_specs(self) -> State:
+    def state_specs(self) -> optax.MultiStepsState | WeightedMultiStepsState:
         """`PartitionSpec`s of the state (a prefix of its tree) for
         `jax.shard_map`: `P()`, but `P(axis_name)` for `acc_grads` and
         `skip_state` with `axis_name`."""
@@ -255,10 +257,10 @@ class MultiSteps(Configured):
     def update(
         self,
         updates: optax.Updates,
-        state: State,
+        state: optax.MultiStepsState | WeightedMultiStepsState,
         params: optax.Params | None = None,
         **extra_args: Any,
-    ) -> tuple[optax.Updates, State]:
+    ) -> tuple[optax.Updates, optax.MultiStepsState | WeightedMultiStepsState]:
         """Accumulates `updates`; returns the inner optimizer's updates on the
         last mini-step of a window and zeros otherwise. With `weighted=True`,
         pass `weight=` (not forwarded to the inner optimizer)."""
@@ -333,7 +335,9 @@ class MultiSteps(Configured):
         window_end = jnp.logical_and(jnp.logical_not(should_skip), ends)
         return skip_state, MiniStep(window_end, should_skip, mini_step, weights, stored)
 
-    def optax_state(self, state: State) -> State:
+    def optax_state(
+        self, state: optax.MultiStepsState | WeightedMultiStepsState
+    ) -> optax.MultiStepsState | WeightedMultiStepsState:
         """`state` as `optax.MultiSteps` holds it at the same step, for it
         to go on from: `acc_grads` zeros after a window's last mini-step
         (nested `MultiSteps` states too). Jittable. A window held open past
@@ -366,7 +370,9 @@ class MultiSteps(Configured):
                 )
         return _as_optax_holds_it(state)
 
-    def emits_next(self, state: State) -> bool:
+    def emits_next(
+        self, state: optax.MultiStepsState | WeightedMultiStepsState
+    ) -> bool:
         """Whether the window ends on the next accepted mini-step, for a host
         loop that passes `apply_gradients(..., emit=)`; not for inside `jit`
         (it reads the counters off the device). After a resume, start the
@@ -399,7 +405,9 @@ class MultiSteps(Configured):
         k = self._every_k_schedule(step)
         return k if isinstance(k, jax.Array) else check_k(k, step)
 
-    def has_updated(self, state: State) -> Bool[Array, ""]:
+    def has_updated(
+        self, state: optax.MultiStepsState | WeightedMultiStepsState
+    ) -> Bool[Array, ""]:
         """`True` when the last *accepted* mini-step completed a window
         (`mini_step == 0 and gradient_step > 0`, as in optax: still `True`
         after a skipped step that follows; `state.skip_state` tells)."""
