@@ -1,8 +1,5 @@
 """Running an inner optimizer on some steps only: `update_if`, in the form
-a step chooses (`Form`). In a conditional, the running branch opens with an
-optimization barrier so that no backend turns it into selects, and nothing
-computed before it is routed through it (`docs/design.md`, "The plain
-form"); the compiler-facing details are `xla`'s.
+a step chooses (`Form`); the compiler-facing details are `xla`'s.
 """
 
 from __future__ import annotations
@@ -32,21 +29,17 @@ class Form(enum.Enum):
 
 
 def choose_form(fused: bool, emit: bool | None, per_device: bool) -> Form:
-    """The form of a `MultiSteps` step: as the host's `emit` says; else in
-    a conditional for `apply_gradients` and per device (which holds the
-    window's all-reduce), and per platform for the drop-in `update`."""
+    """The form of a `MultiSteps` step (docs/design.md, "Where the inner
+    optimizer runs")."""
     if emit is not None:
         return Form.SELECTED if emit else Form.FOLD
     return Form.CONDITIONAL if fused or per_device else Form.PER_PLATFORM
 
 
 def _trace_once(step: Callable, operands: tuple) -> tuple[Callable, Any, Any]:
-    """`step` as a function to call in the running branch, traced once
-    here: the caller's `jit` cache holds the trace (`inline` copies its
-    equations into the branch), so nesting `update_if` does not multiply
-    traces. Returns the call, the outputs' tree and the closed jaxpr."""
+    """`step` traced once: the call for the running branch, the outputs'
+    tree and the closed jaxpr."""
     if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
-        # `jit` would run `step` again in the branch, once more per level.
         closed, shapes = jax.make_jaxpr(step, return_shape=True)(*operands)
         return (
             lambda *args: jex_core.jaxpr_as_fun(closed)(*jax.tree.leaves(args)),
@@ -68,22 +61,22 @@ class _Traced(NamedTuple):
     to_order: list[bool]  # `xla.old_value_read_first`
 
 
-def _traced(inner_update: Callable, operands: tuple, state: PyTree, carry) -> _Traced:
-    carried = carry is not None
+def _step(inner_update: Callable, operands: tuple, inner_state: PyTree, carry):
+    """`inner_update` called, its new state (and carry) in the old avals."""
+    if carry is None:
+        new_updates, new_state = inner_update(*operands, inner_state)
+        return new_updates, conform_state(new_state, inner_state)
+    new_carry, new_state = inner_update(*operands, inner_state, carry)
+    return conform_state(new_carry, carry), conform_state(new_state, inner_state)
 
+
+def _traced(inner_update: Callable, operands: tuple, state: PyTree, carry) -> _Traced:
     def step(operands, inner_state, carry):
-        if carried:
-            new_carry, new_state = inner_update(*operands, inner_state, carry)
-            new_carry = conform_state(new_carry, carry)
-        else:
-            new_carry, new_state = inner_update(*operands, inner_state)
-        return new_carry, conform_state(new_state, inner_state)
+        return _step(inner_update, operands, inner_state, carry)
 
     call, out_def, closed = _trace_once(step, (operands, state, carry))
     n_state = len(jax.tree.leaves(state))
     n_updates = len(closed.out_avals) - n_state
-    # Inputs before the inner state: the values `step` closes over, then
-    # the operands.
     first_state = len(closed.jaxpr.invars) - n_state - len(jax.tree.leaves(carry))
     to_order = xla.old_value_read_first(closed.jaxpr, first_state, n_state, n_updates)
     return _Traced(call, out_def, list(closed.out_avals), n_updates, to_order)
@@ -96,9 +89,8 @@ def _called(traced: _Traced, operands: tuple, state: PyTree, carry) -> list:
 
 
 def _conditional(pred, traced, operands, state, carry, counter) -> tuple:
-    """The step in one `lax.cond`: the running branch behind the scalar
-    barrier, the other returning the carry (or distinct zeros) and the
-    state as they came in."""
+    """The step in one `lax.cond`, the other branch returning the carry (or
+    distinct zeros) and the state as they came in."""
     ran, kept = counter
 
     def run(operands, state, carry, seed):
@@ -139,20 +131,11 @@ def update_if(
     form: Form = Form.CONDITIONAL,
 ) -> tuple[PyTree, PyTree, jax.Array | None]:
     """`inner_update(*operands, inner_state)` where `pred`, else zero
-    updates and `inner_state` as it came in; the new state takes the old
-    one's avals, so the caller's state never changes type. `inner_update`
-    is traced once.
-
-    With `carry` (a fused step's params), `inner_update` also takes it and
-    returns the new carry in place of updates; where `pred` is false the
-    carry comes back as it went in. With `counter`, a pair `(ran, kept)` of
-    int32 scalars, the third output is `ran` where the inner update ran and
-    `kept` elsewhere, computed in the branches: a caller that reads it
-    keeps the running branch's barrier, and so the conditional, alive.
-    """
+    updates (or `carry`, which it then also takes) and `inner_state` as it
+    came in, the new state in the old one's avals. With `counter`
+    `(ran, kept)`, the third output is `ran` where it ran, else `kept`."""
     known = known_bool(pred)
     if known is not None and counter is None:
-        # Decided while tracing: no conditional (nor barrier) at all.
         return (*_decided(known, inner_update, operands, inner_state, carry), None)
     one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
     args = (
@@ -166,7 +149,6 @@ def update_if(
     if form is Form.SELECTED:
         result, new_state, count = _selected(*args)
     elif form is Form.PER_PLATFORM:
-        # On every step (GPUs, TPUs), the small folded leaves kept apart.
         apart = (*args[:2], xla.fold_apart(operands), *args[3:])
         result, new_state, count = _per_platform(
             lambda: _selected(*apart), lambda: _conditional(*args)
@@ -179,17 +161,12 @@ def update_if(
 def _decided(
     known: bool, inner_update: Callable, operands: tuple, inner_state: PyTree, carry
 ) -> tuple[PyTree, PyTree]:
-    """`update_if` where `pred` is known while tracing: `inner_update`
-    called, or zero updates (the carry) and the state as they came."""
-    if not known and carry is not None:
-        return carry, inner_state
-    if not known:
-        return _zeros_of(inner_update, operands, inner_state), inner_state
+    """`update_if` where `pred` is known while tracing."""
+    if known:
+        return _step(inner_update, operands, inner_state, carry)
     if carry is not None:
-        new_carry, new_state = inner_update(*operands, inner_state, carry)
-        return conform_state(new_carry, carry), conform_state(new_state, inner_state)
-    new_updates, new_state = inner_update(*operands, inner_state)
-    return new_updates, conform_state(new_state, inner_state)
+        return carry, inner_state
+    return _zeros_of(inner_update, operands, inner_state), inner_state
 
 
 def select_results(
@@ -208,8 +185,7 @@ def select_results(
 
 def _per_platform(selected: Callable[[], Any], conditional: Callable[[], Any]) -> Any:
     """`conditional()` on the platforms `xla.drop_in_in_conditional` names,
-    `selected()` on the others, chosen when the program is lowered; with
-    jit disabled, for this backend."""
+    `selected()` on the others, chosen when the program is lowered."""
 
     def pick(platform: str) -> Callable[[], Any]:
         return conditional if xla.drop_in_in_conditional(platform) else selected
@@ -221,8 +197,7 @@ def _per_platform(selected: Callable[[], Any], conditional: Callable[[], Any]) -
 
 
 def known_bool(x: Any) -> bool | None:
-    """`x` as a Python bool where it is known while tracing (a Python or
-    NumPy bool, an array made outside the trace); `None` where traced."""
+    """`x` as a Python bool where it is known while tracing, else `None`."""
     try:
         return bool(x)
     except jax.errors.ConcretizationTypeError:
@@ -236,8 +211,7 @@ def _zeros_of(inner_update: Callable, operands: tuple, inner_state: PyTree) -> P
 
 
 def conform_state(new: PyTree, old: PyTree) -> PyTree:
-    """Gives each leaf of the inner optimizer's new state its old dtype and weak
-    type, so that both branches of the `lax.cond` agree exactly."""
+    """The inner optimizer's new state in its old dtypes and weak types."""
     new_leaves, new_def = jax.tree.flatten(new)
     old_leaves, old_def = jax.tree.flatten(old)
     if new_def != old_def:

@@ -1,8 +1,6 @@
-"""A `MultiSteps` mini-step: the gradients folded into the accumulator
-(`Accumulator.fold`), then, where the window ends, the inner optimizer on
-the window's accumulation in the step's `Form` (`update_if`). The fold
-comes first and is the new accumulator, which nothing clears: the next
-window's first fold overwrites it (`docs/design.md`, "The plain form").
+"""A `MultiSteps` mini-step: the gradients folded into the accumulator,
+then, where the window ends, the inner optimizer on the window's
+accumulation in the step's `Form` (`update_if`).
 """
 
 from __future__ import annotations
@@ -55,9 +53,8 @@ def _arrays_at(tree: PyTree, like: PyTree) -> PyTree:
 
 class _Inner:
     """The inner optimizer on the window's accumulation, as `update_if`
-    calls it. Weighted and per device, whether the window's weights sum to
-    more than 0 is known only after the all-reduce, inside the step: the
-    state then travels with that decision (`wrap`, `unwrap`)."""
+    calls it; weighted and per device, the state travels with whether the
+    window's weights sum to more than 0 (`wrap`, `unwrap`)."""
 
     def __init__(self, window: Window, inputs: Any, weights: Weights | None):
         self.window, self.inputs = window, inputs
@@ -71,14 +68,14 @@ class _Inner:
     def unwrap(self, state: PyTree, ran: jax.Array) -> tuple[PyTree, jax.Array]:
         return state if self.decides else (state, ran)
 
-    def _gradients(self, acc: PyTree) -> tuple[PyTree, jax.Array | None]:
+    def _gradients(self, acc: PyTree, state: PyTree) -> tuple[PyTree, Any, Any]:
         w = self.window
         value, keep = w.devices.finish(acc, w.accumulator, self.total)
-        return jax.tree.map(as_gradient_dtype, value, self.dtypes), keep
+        grads = jax.tree.map(as_gradient_dtype, value, self.dtypes)
+        return grads, keep, state[0] if self.decides else state
 
     def update(self, acc: PyTree, state: PyTree) -> tuple[PyTree, PyTree]:
-        grads, keep = self._gradients(acc)
-        state = state[0] if self.decides else state
+        grads, keep, state = self._gradients(acc, state)
         inputs = self.inputs
         out, new = self.window.inner.update(
             grads, state, inputs.params, **inputs.extra_args
@@ -89,8 +86,7 @@ class _Inner:
         return out, (_keep_or(keep, new, state), keep)
 
     def apply(self, acc: PyTree, state: PyTree, arrays: PyTree) -> tuple[PyTree, Any]:
-        grads, keep = self._gradients(acc)
-        state = state[0] if self.decides else state
+        grads, keep, state = self._gradients(acc, state)
         inputs = self.inputs
         params = merge_trainable(inputs.params, arrays)
         new_params, new = step_and_apply(
@@ -112,11 +108,8 @@ def run_window(
     acc: PyTree,
     inner_state: PyTree,
 ) -> tuple[PyTree, PyTree, PyTree, jax.Array]:
-    """One mini-step: `inputs.grads` folded into `acc` (kept where the step
-    is skipped), then the inner optimizer on the window's accumulation where
-    the window ends, in `form`. Returns the updates (`fused`: the new
-    params), the inner state, the new accumulator and whether the inner
-    optimizer ran."""
+    """One mini-step. Returns the updates (`fused`: the new params), the
+    inner state, the new accumulator and whether the inner optimizer ran."""
     fold = window.accumulator.fold
 
     def one(g: jax.Array, a: jax.Array) -> jax.Array:
@@ -128,8 +121,7 @@ def run_window(
     if step.weights is not None and not inner.decides:
         pred = jnp.logical_and(pred, step.weights.total > 0)
     params = inputs.params
-    # The params' arrays go through the conditional; their other leaves (an
-    # Equinox model's Python numbers and functions) stay outside.
+    # Only the params' arrays go through the conditional.
     arrays = _arrays_at(params, params) if fused else None
     state_in = inner.wrap(inner_state)
     if form is Form.FOLD:
