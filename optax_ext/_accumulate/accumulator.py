@@ -1,7 +1,6 @@
 """One accumulator for `MultiSteps` and `microbatched`: how a value is
 folded in (`Accumulator`, `Count`, `AnyOf`, `Rows`) and how the devices'
-accumulators meet after the last fold, so both compute the same arithmetic.
-"""
+accumulators meet after the last fold, so both compute the same arithmetic."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ class Weights(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Accumulator:
-    """The running mean (`mean=True`) or sum of the values folded in, each
-    value counted once or by its weight (`weighted=True`)."""
+    """The running mean (`mean=True`) or sum of the values, maybe weighted."""
 
     mean: bool = True
     weighted: bool = False
@@ -52,8 +50,7 @@ class Accumulator:
         return _fold_weighted(x, acc, weights, self.mean)
 
     def part(self, acc: jax.Array, weight: jax.Array | None) -> jax.Array:
-        """This device's share of the all-reduce that ends the accumulation,
-        in at least float32."""
+        """This device's share of the all-reduce, in at least float32."""
         if not self.weighted:
             return acc.astype(work_dtype(acc.dtype))
         assert weight is not None
@@ -111,8 +108,7 @@ class Rows:
 
 
 class GradientRows(Rows):
-    """Rows of a gradient with respect to the batch, each micro-batch's
-    scaled by its share of what `accumulator` makes of the batch."""
+    """Rows of a gradient with respect to the batch, scaled by their share."""
 
     def __init__(self, accumulator: Accumulator):
         self.accumulator = accumulator
@@ -166,8 +162,7 @@ def weight_dtype(accumulators: Any) -> Any:
 
 
 def as_gradient_dtype(value: jax.Array, dtype: Any) -> jax.Array:
-    """An accumulated value back in the gradients' `dtype` (a complex
-    accumulator of real gradients drops its zero imaginary part)."""
+    """An accumulated value back in the gradients' `dtype` (real or complex)."""
     if jnp.iscomplexobj(value) and not jnp.issubdtype(dtype, jnp.complexfloating):
         value = lax.real(value)
     return value.astype(dtype)

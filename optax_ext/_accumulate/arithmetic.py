@@ -1,7 +1,6 @@
 """The dtypes of gradient accumulation, shared by `microbatched` and
 `MultiSteps`: the dtype a leaf accumulates in (`accumulator_dtype_for`) and
-the float32 working dtype of narrow floats (`work_dtype`, `widen`).
-"""
+the float32 working dtype of narrow floats (`work_dtype`, `widen`)."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ PROMOTION_ERROR: type[Exception] = getattr(jax.dtypes, "TypePromotionError", Val
 
 
 def check_accumulator_dtype(accumulator_dtype: Any, *, complex_ok: bool) -> Any:
-    """`accumulator_dtype` as a canonical dtype (or `None`); a `TypeError`
-    naming it unless it is floating (or complex, with `complex_ok`)."""
+    """`accumulator_dtype` as a canonical floating (or complex) dtype, or None."""
     if accumulator_dtype is None:
         return None
     try:
@@ -71,8 +69,7 @@ def holds(wide: Any, narrow: Any) -> bool:
 
 
 def least_holding(dtype: Any, other: Any) -> Any:
-    """The least dtype holding every value of both; `None` where JAX does
-    not promote them and neither holds the other."""
+    """The least dtype holding every value of both, or `None`."""
     try:
         return jnp.promote_types(dtype, other)
     except PROMOTION_ERROR:
@@ -114,19 +111,14 @@ def accumulator_dtype_for(
 
 def zero_accumulator(params: PyTree, accumulator_dtype: Any) -> PyTree:
     """Zeros for each params leaf, in its accumulator's dtype (`MultiSteps`)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, p: jnp.zeros(
-            jnp.shape(p),
-            accumulator_dtype_for(
-                p,
-                accumulator_dtype,
-                jax.tree_util.keystr(path),
-                "MultiSteps",
-                "the params",
-            ),
-        ),
-        params,
-    )
+    names = ("MultiSteps", "the params")
+
+    def zeros(path: Any, p: Any) -> jax.Array:
+        shape, where = jnp.shape(p), jax.tree_util.keystr(path)
+        dtype = accumulator_dtype_for(p, accumulator_dtype, where, *names)
+        return jnp.zeros(shape, dtype)
+
+    return jax.tree_util.tree_map_with_path(zeros, params)
 
 
 def work_dtype(acc_dtype: Any) -> Any:
@@ -150,8 +142,7 @@ def widen(x: jax.Array, dtype: Any) -> jax.Array:
 
 
 def is_real_scalar(value: Any) -> bool:
-    """Whether `value` can be a weight: an int or float scalar (Python,
-    NumPy or JAX; not a bool)."""
+    """Whether `value` can be a weight: an int or float scalar, not a bool."""
     dtype = getattr(value, "dtype", None)
     if dtype is None:
         if isinstance(value, bool) or not isinstance(value, int | float):

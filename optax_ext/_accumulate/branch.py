@@ -1,6 +1,5 @@
 """Running an inner optimizer on some steps only: `update_if`, in the form
-a step chooses (`Form`); the compiler-facing details are `xla`'s.
-"""
+a step chooses (`Form`); the compiler-facing details are `xla`'s."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ class Form(enum.Enum):
 
 
 def choose_form(fused: bool, emit: bool | None, per_device: bool) -> Form:
-    """The form of a `MultiSteps` step (docs/design.md, "Where the inner
-    optimizer runs")."""
+    """The form of a `MultiSteps` step."""
     if emit is not None:
         return Form.SELECTED if emit else Form.FOLD
     return Form.CONDITIONAL if fused or per_device else Form.PER_PLATFORM
@@ -172,8 +170,7 @@ def _decided(
 def select_results(
     pred: jax.Array, new: tuple, old: tuple, carried: bool
 ) -> tuple[PyTree, PyTree]:
-    """The new results (updates or carry) and state where `pred`, the old
-    carry (or zero updates) and state elsewhere."""
+    """The new results and state where `pred`, the old (or zeros) elsewhere."""
     (result, new_state), (carry, inner_state) = new, old
     if carried:
         result = jax.tree.map(lambda n, o: jnp.where(pred, n, o), result, carry)
@@ -229,18 +226,13 @@ def conform_state(new: PyTree, old: PyTree) -> PyTree:
         hint="a state that is kept on some steps must keep its shapes.",
     )
     leaves = []
-    for path_leaf, n, o, key in zip(
-        jax.tree_util.tree_flatten_with_path(old)[0],
-        new_leaves,
-        old_leaves,
-        keys,
-        strict=True,
-    ):
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(old)[0]]
+    for path, n, o, key in zip(paths, new_leaves, old_leaves, keys, strict=True):
         if key:
             if n.dtype != o.dtype:
                 raise ValueError(
                     f"The inner optimizer changed the key type of its state leaf "
-                    f"at {jax.tree_util.keystr(path_leaf[0])} from {o.dtype} to "
+                    f"at {jax.tree_util.keystr(path)} from {o.dtype} to "
                     f"{n.dtype}."
                 )
             leaves.append(n)

@@ -18,8 +18,7 @@ from .accumulator import Accumulator
 
 
 def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple[str, Any, Any]]:
-    """For each given gradient leaf: where it is, and the mesh axes it and
-    its accumulator vary over; nothing outside `shard_map`'s type checks."""
+    """For each given gradient leaf: where, and the mesh axes it and `acc` vary over."""
     given: list[tuple[str, Any, Any]] = []
 
     def visit(path: Any, g: Any, a: Any) -> None:
@@ -75,8 +74,7 @@ class SingleDeviceState:
     def finish(
         self, acc: PyTree, accumulator: Accumulator, weight: jax.Array | None
     ) -> tuple[PyTree, jax.Array | None]:
-        """The window's accumulation, and whether its weights sum to more
-        than 0 (`None`: known before)."""
+        """The window's accumulation, and whether its weights sum above 0."""
         del accumulator, weight
         return acc, None
 
@@ -151,8 +149,7 @@ class PerDeviceState(SingleDeviceState):
                 )
 
     def agree(self, should_skip: jax.Array) -> jax.Array:
-        """Every device takes the same skip decision, or their windows drift
-        apart."""
+        """Every device takes the same skip decision."""
         votes = lax.psum(should_skip.astype(jnp.int32), self.axis_name)
         return votes > 0
 

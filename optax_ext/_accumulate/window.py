@@ -1,7 +1,6 @@
 """A `MultiSteps` mini-step: the gradients folded into the accumulator,
 then, where the window ends, the inner optimizer on the window's
-accumulation in the step's `Form` (`update_if`).
-"""
+accumulation in the step's `Form` (`update_if`)."""
 
 from __future__ import annotations
 

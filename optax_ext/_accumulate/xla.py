@@ -1,8 +1,6 @@
 """The XLA mechanisms of the accumulation, in one place: each keeps one
 backend's compiler from undoing what the code writes, and `using` switches
-them off to measure what it buys (docs/design.md, "Mechanisms per backend
-and version").
-"""
+them off to measure what it buys (docs/design.md, "Mechanisms per backend")."""
 
 from __future__ import annotations
 
@@ -207,8 +205,7 @@ def distinct_zeros(avals: list[Any], seed: jax.Array | None) -> list[jax.Array]:
 
 
 def fold_apart(tree: PyTree) -> PyTree:
-    """`tree` with each leaf of rank 0 or 1 behind an optimization barrier
-    of its own, on TPUs only."""
+    """`tree` with each leaf of rank 0 or 1 behind a barrier of its own, on TPUs."""
     if not active().fold_apart:
         return tree
     leaves, treedef = jax.tree.flatten(tree)
