@@ -1,7 +1,6 @@
 """Where `microbatched`'s loop runs (as it is, in a `jax.shard_map` over
 the batch's mesh axes, or in the caller's over `axis_name`), and the one
-reduction across devices after it.
-"""
+reduction across devices after it."""
 
 from __future__ import annotations
 
@@ -81,8 +80,7 @@ def _shards_over_batch_axes(
 def run_on_devices(
     settings: LoopSettings, axis_name: Hashable | None, args: tuple, kwargs: dict
 ) -> PyTree:
-    """`microbatched`'s result: the loop, run where the batch lies, and the
-    reduction after it."""
+    """`microbatched`'s result, the loop run where the batch lies."""
     if axis_name is not None and _is_manual(axis_name):
         return _run(settings, axis_name, args, kwargs)[0]
     spec, mesh = _batch_spec(args, settings.batch_argnums)
@@ -171,8 +169,7 @@ def _unsplit(acc: jax.Array) -> jax.Array:
 def _across_devices(
     looped: Looped, axis_name: Hashable | None
 ) -> tuple[list, jax.Array]:
-    """Each output's accumulation over every device and the weights' sum,
-    in one all-reduce."""
+    """Each output over every device and the weights' sum, in one all-reduce."""
     acc, total = looped.accumulators, looped.weight
     if axis_name is None:
         return acc, total

@@ -1,6 +1,5 @@
 """The loop of `microbatched` on this device's rows: `grad_fn` on each of
-`k` micro-batches in a `lax.fori_loop`, each output leaf folded by its kind.
-"""
+`k` micro-batches in a `lax.fori_loop`, each output leaf folded by its kind."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ class LoopSettings(NamedTuple):
 
 
 class Looped(NamedTuple):
-    """The loop's result on this device, one accumulator per combined output
-    leaf, flat."""
+    """The loop's result on this device, per combined output leaf."""
 
     kinds: list[Any]  # per leaf: `Accumulator`, `Count`, `AnyOf`, `Rows`...
     accumulators: list[jax.Array]  # per leaf; rows as `(rows, k, ...)`
@@ -105,8 +103,7 @@ def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def _zero(kind: Any, struct: Any, dtype: Any, k: int) -> jax.Array:
-    """A leaf's first carry: zeros, sharded as its output where its type
-    says."""
+    """A leaf's first carry: zeros, sharded as its output's type says."""
     if isinstance(kind, Rows):
         return _rows_accumulator(struct, k, dtype)
     return zeros_like_struct(struct, dtype)
@@ -200,13 +197,9 @@ def _kind_and_dtype(
             return GradientRows(floating), struct.dtype
         return Rows(), struct.dtype
     if jnp.issubdtype(struct.dtype, jnp.inexact):
-        return floating, accumulator_dtype_for(
-            struct.dtype,
-            settings.accumulator_dtype,
-            path,
-            "microbatched",
-            "grad_fn's output",
-        )
+        names = (path, "microbatched", "grad_fn's output")
+        acc_dtype = settings.accumulator_dtype
+        return floating, accumulator_dtype_for(struct.dtype, acc_dtype, *names)
     if struct.dtype == jnp.bool_:
         return AnyOf(), jnp.dtype(jnp.bool_)
     if jnp.issubdtype(struct.dtype, jnp.integer):
@@ -233,13 +226,11 @@ def _plan_outputs(
     )
     flat_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     flags = _per_example_flags(settings.per_example, out_shape, shapes)
-    kinds, acc_dtypes = [], []
-    for (path, s), per_example in zip(flat_shapes, flags, strict=True):
-        kind, dtype = _kind_and_dtype(
-            s, per_example, rows, settings, jax.tree_util.keystr(path)
-        )
-        kinds.append(kind)
-        acc_dtypes.append(dtype)
+    planned = [
+        _kind_and_dtype(s, flag, rows, settings, jax.tree_util.keystr(path))
+        for (path, s), flag in zip(flat_shapes, flags, strict=True)
+    ]
+    kinds, acc_dtypes = [k for k, _ in planned], [d for _, d in planned]
     return kinds, acc_dtypes, [s for _, s in flat_shapes], treedef, static
 
 
@@ -314,11 +305,8 @@ class _MicroBatches:
     """Micro-batch `j`'s arguments, and `grad_fn` and `weight_fn` on them."""
 
     def __init__(self, settings, axis_name, args, kwargs, regather):
-        k, argnums, key_argnum = (
-            settings.num_microbatches,
-            settings.batch_argnums,
-            settings.key_argnum,
-        )
+        k, argnums = settings.num_microbatches, settings.batch_argnums
+        key_argnum = settings.key_argnum
         if axis_name is not None:
             args, kwargs = pcast_varying((args, kwargs), axis_name)
         self.rows = _rows(args, argnums, k) // k
@@ -397,8 +385,7 @@ def accumulate(
     *,
     regather: bool = False,
 ) -> Looped:
-    """The loop on this device's rows, inside `shard_map` over `axis_name`
-    where given (with `regather`: `_params_barrier`)."""
+    """The loop on this device's rows."""
     k = settings.num_microbatches
     micro = _MicroBatches(settings, axis_name, args, kwargs, regather)
     out_shape = eqx.filter_eval_shape(micro.call, jnp.zeros((), jnp.int32))

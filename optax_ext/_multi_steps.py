@@ -1,7 +1,6 @@
 """`MultiSteps`: gradient accumulation, a drop-in for `optax.MultiSteps`.
 A step prepares its inputs, decides whether the window ends, then folds and
-runs the inner optimizer (`_accumulate/window`).
-"""
+runs the inner optimizer (`_accumulate/window`)."""
 
 from __future__ import annotations
 
@@ -91,49 +90,42 @@ def _as_optax_holds_it(state: Any) -> Any:
 class MultiSteps(Configured):
     """Accumulates gradients over several mini-steps, then applies `opt` once.
 
-    A drop-in for `optax.MultiSteps`: the same constructor, `init`, `update`
-    (extra keyword arguments such as `value=` go to the inner optimizer),
-    `has_updated`, `inner_opt`, `gradient_transformation()` and state type,
-    `optax.MultiStepsState`, so a checkpoint written by one loads into the
-    other (after a window's last mini-step through `optax_state`). The
-    mini-step that completes a window of `k = every_k_schedule(gradient_step)`
-    accepted mini-steps applies the inner optimizer to the window's mean (or
-    sum) and returns its updates; every other returns exact zeros.
+    A drop-in for `optax.MultiSteps`: the same constructor, methods (extra
+    keyword arguments such as `value=` go to the inner optimizer) and state,
+    `optax.MultiStepsState`, so a checkpoint moves between the two (after a
+    window's last mini-step through `optax_state`). The mini-step completing
+    a window of `k = every_k_schedule(gradient_step)` accepted mini-steps
+    returns the inner optimizer's updates on the window's mean (or sum);
+    every other returns exact zeros.
 
-    Beyond optax: every leaf of the inner state keeps its dtype, shape and
-    weak type; a NaN or `inf` never crosses a window; no gradient is rounded
-    into a narrower accumulator (a `TypeError` instead); `params` may be a
-    whole Equinox model. The full contract, and where the inner optimizer
-    runs on each backend, are in `docs/multi_steps.md`.
+    Beyond optax: the inner state keeps every leaf's dtype, shape and weak
+    type; no NaN or `inf` crosses a window; no gradient is rounded into a
+    narrower accumulator (a `TypeError` instead); `params` may be an Equinox
+    model. The full contract: `docs/multi_steps.md`.
 
     **Arguments:**
 
     - `opt`: the inner optimizer, an `optax.GradientTransformation`.
-    - `every_k_schedule`: an int from 1 to `2**31 - 1`, or a function from
-      the gradient step (int32 scalar) to the number of mini-steps in that
-      window. A bool counts as the int it is (`True` is 1), as in optax. A
-      traced non-integer `k` closes the window at `ceil(k)`; a traced
-      `k <= 0` never closes it (as optax never emits).
+    - `every_k_schedule`: an int from 1 to `2**31 - 1` (a bool as its int),
+      or a function from the gradient step (int32) to that window's number
+      of mini-steps. A traced non-integer `k` closes the window at
+      `ceil(k)`; a traced `k <= 0` never closes it (as in optax).
     - `use_grad_mean`: average the window's gradients if `True`, else sum them.
     - `should_skip_update_fn`: as in optax, `(updates, gradient_step, params)
-      -> (should_skip, skip_state)` with a scalar bool `should_skip`; a
-      skipped mini-step leaves the accumulator, counters and inner state as
-      they were (e.g. `optax.skip_not_finite`).
-    - `accumulator_dtype`: the least dtype to accumulate in; each leaf's
-      accumulator has the least dtype holding it and the params leaf's
-      (float32 for float32, bfloat16 and float16 params, as optax). `None`
-      accumulates in each params leaf's own dtype.
+      -> (should_skip, skip_state)`, `should_skip` a scalar bool; a skipped
+      mini-step changes nothing else (e.g. `optax.skip_not_finite`).
+    - `accumulator_dtype`: the least dtype to accumulate in: each leaf's
+      holds it and the params leaf's (float32 for float32, bfloat16 and
+      float16 params, as optax); `None`: the params leaf's own.
     - `axis_name`: accumulate per device inside `jax.shard_map` and average
       across this axis once per window (`docs/data_parallel.md`).
     - `weighted`: if `True`, `update` and `apply_gradients` take each
-      mini-step's `weight=` (a scalar >= 0, traced: e.g. its number of
-      non-padding tokens) and the window emits `sum_i w_i g_i / sum_i w_i`
-      (with `use_grad_mean=False`, `sum_i w_i g_i`: the gradient of the
-      token-summed loss when `g_i` is a micro-batch's token-mean gradient).
-      A weight of 0 leaves no trace (its gradient, even NaN, is not read);
-      a window whose weights sum to 0 applies nothing and is not counted in
-      `gradient_step`. The state is a `WeightedMultiStepsState`. See
-      "Uneven micro-batches" in `docs/multi_steps.md`.
+      mini-step's `weight=` (a scalar >= 0, e.g. its non-padding tokens) and
+      the window emits `sum_i w_i g_i / sum_i w_i` (`sum_i w_i g_i` with
+      `use_grad_mean=False`). A weight of 0 leaves no trace (even a NaN
+      gradient); a window of weight 0 applies nothing and is not counted in
+      `gradient_step`. The state is a `WeightedMultiStepsState`
+      (`docs/multi_steps.md`, "Uneven micro-batches").
 
     Two `MultiSteps` built from equal arguments compare and hash equal, so a
     jitted step taking the optimizer as a static argument compiles once.
@@ -183,12 +175,8 @@ class MultiSteps(Configured):
             self._weighted,
         )
         self._devices = device_state(axis_name)
-        self._window = Window(
-            self._opt,
-            opt,
-            self._devices,
-            Accumulator(self._use_grad_mean, self._weighted),
-        )
+        accumulator = Accumulator(self._use_grad_mean, self._weighted)
+        self._window = Window(self._opt, opt, self._devices, accumulator)
         # `check_state_structure`'s answers by the avals of its template.
         self._inner_structures: dict[tuple, Any] = {}
 
@@ -213,19 +201,12 @@ class MultiSteps(Configured):
             self._opt.init, params, self._inner_structures, is_params=True
         )
         gradient_step = jnp.zeros((), jnp.int32)
-        _, skip_state = skip_decision(
-            self._should_skip_update_fn,
-            jax.tree.map(jnp.zeros_like, params),
-            gradient_step,
-            params,
-        )
-        state = optax.MultiStepsState(
-            mini_step=jnp.zeros((), jnp.int32),
-            gradient_step=gradient_step,
-            inner_opt_state=inner_state,
-            acc_grads=acc_grads,
-            skip_state=skip_state,
-        )
+        skip_fn = self._should_skip_update_fn
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        _, skip_state = skip_decision(skip_fn, zeros, gradient_step, params)
+        mini_step = jnp.zeros((), jnp.int32)
+        fields = (mini_step, gradient_step, inner_state, acc_grads, skip_state)
+        state = optax.MultiStepsState(*fields)
         state = mirror_param_sharding(state, params)
         state = state._replace(
             acc_grads=self._devices.add_axis(state.acc_grads),
@@ -242,17 +223,10 @@ class MultiSteps(Configured):
         """`PartitionSpec`s of the state (a prefix of its tree) for
         `jax.shard_map`: `P()`, but `P(axis_name)` for `acc_grads` and
         `skip_state` with `axis_name`."""
-        replicated: Any = jax.sharding.PartitionSpec()
-        specs: dict[str, Any] = dict(
-            mini_step=replicated,
-            gradient_step=replicated,
-            inner_opt_state=replicated,
-            acc_grads=self._devices.spec(),
-            skip_state=self._devices.spec(),
-        )
-        if not self._weighted:
-            return optax.MultiStepsState(**specs)
-        return WeightedMultiStepsState(**specs, acc_weight=self._devices.spec())
+        same: Any = jax.sharding.PartitionSpec()
+        own = self._devices.spec()
+        specs = optax.MultiStepsState(same, same, same, own, own)
+        return WeightedMultiStepsState(*specs, own) if self._weighted else specs
 
     def update(
         self,
@@ -290,24 +264,15 @@ class MultiSteps(Configured):
         emit: bool | None = None,
     ) -> tuple[PyTree, State]:
         """`update` (`fused=False`) or `_apply_gradients`."""
-        given, all_params = grads, params
         method = "apply_gradients" if fused else "update"
         step = prepare_step(self, grads, state, params, extra_args, method)
         skip_state, decided = self._decide(step, state, emit)
         form = choose_form(fused, emit, self._devices.per_device)
-        result, inner_state, acc, emitted = run_window(
-            self._window,
-            form,
-            fused,
-            decided,
-            step,
-            state.acc_grads,
-            state.inner_opt_state,
+        args = (decided, step, state.acc_grads, state.inner_opt_state)
+        result, inner_state, acc, emitted = run_window(self._window, form, fused, *args)
+        result = (
+            merge_trainable(params, result) if fused else restore_none(grads, result)
         )
-        if fused:
-            result = merge_trainable(all_params, result)
-        else:
-            result = restore_none(given, result)
         fields = dict(
             inner_opt_state=strong_as_recorded(inner_state, step.record),
             acc_grads=acc,

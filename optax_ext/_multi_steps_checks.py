@@ -1,6 +1,5 @@
 """What `MultiSteps` checks of its arguments and inputs: `prepare_step`
-builds a step's inputs, `check_state` checks a state once.
-"""
+builds a step's inputs, `check_state` checks a state once."""
 
 from __future__ import annotations
 
@@ -265,12 +264,14 @@ def _check_weighted(state: Any, weight: Any, weighted: bool, method: str) -> Any
     return weight
 
 
+def _as_bool(value: Any, must: str) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{must}, got {describe_value(value)}.")
+    return bool(value)
+
+
 def check_weighted(weighted: Any) -> bool:
-    if not isinstance(weighted, bool | np.bool_):
-        raise TypeError(
-            f"weighted must be True or False, got {describe_value(weighted)}."
-        )
-    return bool(weighted)
+    return _as_bool(weighted, "weighted must be True or False")
 
 
 def validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
@@ -326,12 +327,8 @@ def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
 
 
 def check_use_grad_mean(use_grad_mean: Any) -> bool:
-    if not isinstance(use_grad_mean, bool | np.bool_):
-        raise TypeError(
-            "use_grad_mean must be True (the window's gradients averaged) or "
-            f"False (summed), got {describe_value(use_grad_mean)}."
-        )
-    return bool(use_grad_mean)
+    must = "use_grad_mean must be True (the window's gradients averaged) or False"
+    return _as_bool(use_grad_mean, must + " (summed)")
 
 
 def check_skip_fn(fn: Any) -> Callable | None:

@@ -1,6 +1,5 @@
 """Pytree helpers: structure and shape checks naming the first path that
-differs, casts that keep dtype and weak type, and values described for errors.
-"""
+differs, casts that keep dtype and weak type, and values described for errors."""
 
 from __future__ import annotations
 
@@ -49,17 +48,10 @@ def _first_difference(exp_paths: dict, got_paths: dict, names: tuple) -> str | N
     expected_name, got_name = names
     for path, leaf in exp_paths.items():
         if path not in got_paths:
-            deeper = [
-                p
-                for p in got_paths
-                if p.startswith(path) and p[len(path) : len(path) + 1] in "[."
-            ]
-            held = (
-                f"a tree with leaves at {', '.join(deeper[:3])}"
-                + (", ..." if len(deeper) > 3 else "")
-                if deeper
-                else "nothing"
-            )
+            n = len(path)
+            deeper = [p for p in got_paths if p[:n] == path and p[n : n + 1] in "[."]
+            listed = ", ".join(deeper[:3]) + (", ..." if len(deeper) > 3 else "")
+            held = f"a tree with leaves at {listed}" if deeper else "nothing"
             return (
                 f"{got_name} have {held} at {path or 'the root'}, where "
                 f"{expected_name} hold {_describe(leaf)}"
@@ -107,8 +99,7 @@ def check_same_structure(
     got_name: str,
     hint: str = _STRUCTURE_HINT,
 ) -> None:
-    """Raises a `ValueError` naming the first path where two trees differ
-    (`None` counting as a leaf)."""
+    """Raises a `ValueError` naming the first path where two trees differ."""
     exp_leaves, exp_def = jax.tree_util.tree_flatten_with_path(
         expected, is_leaf=is_none
     )
@@ -133,11 +124,8 @@ def check_same_shapes(
     expected: PyTree, got: PyTree, *, expected_name: str, got_name: str, hint: str
 ) -> None:
     """Raises a `ValueError` naming the first path where leaf shapes differ."""
-    for (path, e), g in zip(
-        jax.tree_util.tree_flatten_with_path(expected)[0],
-        jax.tree.leaves(got),
-        strict=True,
-    ):
+    flat = jax.tree_util.tree_flatten_with_path(expected)[0]
+    for (path, e), g in zip(flat, jax.tree.leaves(got), strict=True):
         if jnp.shape(e) != jnp.shape(g):
             raise ValueError(
                 f"At {jax.tree_util.keystr(path) or 'the root'} {got_name} have "

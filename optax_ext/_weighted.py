@@ -1,6 +1,5 @@
 """`MultiSteps(..., weighted=True)`: its state and the window's running
-weight (`docs/multi_steps.md`, "Uneven micro-batches").
-"""
+weight (`docs/multi_steps.md`, "Uneven micro-batches")."""
 
 from __future__ import annotations
 
