@@ -172,6 +172,39 @@ def _check_num_real(value: Any, k: int) -> Any:
     return value
 
 
+def _checked(given: LoopSettings) -> LoopSettings:
+    """`microbatched`'s arguments as given, checked."""
+    if not callable(given.grad_fn):
+        raise TypeError(
+            f"grad_fn must be a function (e.g. jax.grad(loss)), got "
+            f"{given.grad_fn!r} of type {type(given.grad_fn).__name__}."
+        )
+    k = _check_num_microbatches(given.num_microbatches)
+    argnums, key_argnum = _check_argnums(given.batch_argnums, given.key_argnum)
+    if given.weight_fn is not None and not callable(given.weight_fn):
+        raise TypeError(
+            "weight_fn must be None or a function taking grad_fn's arguments "
+            "(the batch cut to one micro-batch) and returning its weight, got "
+            f"{describe_value(given.weight_fn)}."
+        )
+    per_example = _check_per_example(given.per_example)
+    if not isinstance(given.mean, bool | np.bool_):
+        raise TypeError(
+            "use_grad_mean must be True (the micro-batches' outputs averaged) "
+            f"or False (summed), got {describe_value(given.mean)}."
+        )
+    dtype = check_accumulator_dtype(given.accumulator_dtype, complex_ok=False)
+    return given._replace(
+        num_microbatches=k,
+        batch_argnums=argnums,
+        key_argnum=key_argnum,
+        accumulator_dtype=dtype,
+        per_example=per_example,
+        num_real_microbatches=_check_num_real(given.num_real_microbatches, k),
+        mean=bool(given.mean),
+    )
+
+
 def microbatched(
     grad_fn: Callable,
     num_microbatches: int,
@@ -251,35 +284,18 @@ def microbatched(
     loss, grads = step_grads(model, batch)  # as grad_fn(model, batch)
     ```
     """
-    if not callable(grad_fn):
-        raise TypeError(
-            f"grad_fn must be a function (e.g. jax.grad(loss)), got {grad_fn!r} "
-            f"of type {type(grad_fn).__name__}."
+    settings = _checked(
+        LoopSettings(
+            grad_fn,
+            num_microbatches,
+            batch_argnums,
+            key_argnum,
+            accumulator_dtype,
+            weight_fn,
+            per_example,
+            num_real_microbatches,
+            use_grad_mean,
         )
-    k = _check_num_microbatches(num_microbatches)
-    argnums, key_argnum = _check_argnums(batch_argnums, key_argnum)
-    if weight_fn is not None and not callable(weight_fn):
-        raise TypeError(
-            "weight_fn must be None or a function taking grad_fn's arguments "
-            "(the batch cut to one micro-batch) and returning its weight, got "
-            f"{describe_value(weight_fn)}."
-        )
-    per_example = _check_per_example(per_example)
-    if not isinstance(use_grad_mean, bool | np.bool_):
-        raise TypeError(
-            "use_grad_mean must be True (the micro-batches' outputs averaged) "
-            f"or False (summed), got {describe_value(use_grad_mean)}."
-        )
-    settings = LoopSettings(
-        grad_fn=grad_fn,
-        num_microbatches=k,
-        batch_argnums=argnums,
-        key_argnum=key_argnum,
-        accumulator_dtype=check_accumulator_dtype(accumulator_dtype, complex_ok=False),
-        weight_fn=weight_fn,
-        per_example=per_example,
-        num_real_microbatches=_check_num_real(num_real_microbatches, k),
-        mean=bool(use_grad_mean),
     )
 
     def wrapped(*args: Any, **kwargs: Any) -> PyTree:

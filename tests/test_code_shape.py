@@ -22,7 +22,10 @@ import pytest
 import optax_ext
 
 ROOT = pathlib.Path(optax_ext.__file__).parent
-MAX_LINES = 80
+MAX_LINES = 50
+MAX_PRIVATE_PARAMETERS = 7
+MAX_MODULE_LINES = 450
+MAX_PACKAGE_LINES = 5000
 # Not climbs: a wrapped optimizer's entry point called by
 # `_transformations.step_and_apply` or a `_static.Method` (a `skip_when`
 # around a `MultiSteps`), and a function defined inside another (a
@@ -199,8 +202,54 @@ def test_cycle_finder_finds_a_circle():
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: _module(p))
-def test_no_function_runs_over_80_lines(path):
+def test_no_function_runs_over_50_lines(path):
     assert long_functions(path.read_text(), MAX_LINES) == []
+
+
+def many_parameters(source: str, limit: int, public: set[str]) -> list:
+    """Functions of `source` not named in `public` (the exported names and
+    their methods) taking more than `limit` parameters, `self` aside."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name in public:
+            methods = [f.name for f in node.body if hasattr(f, "name")]
+            public = public | {f"{node.name}.{m}" for m in methods}
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        a = node.args
+        names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+        count = len(names) - (names[:1] in (["self"], ["cls"]))
+        count += (a.vararg is not None) + (a.kwarg is not None)
+        if count > limit:
+            found.append((node.name, count))
+    return [
+        (name, n)
+        for name, n in found
+        if name not in public and not any(p.endswith("." + name) for p in public)
+    ]
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: _module(p))
+def test_no_private_function_takes_over_7_parameters(path):
+    public = set(optax_ext.__all__)
+    assert many_parameters(path.read_text(), MAX_PRIVATE_PARAMETERS, public) == []
+
+
+def test_parameter_counter_leaves_self_and_public_names_out():
+    eight = "a, b, c, d, e, f, g, h"
+    source = f"def f({eight}): pass\nclass C:\n    def m(self, {eight[3:]}): pass\n"
+    assert many_parameters(source, 7, set()) == [("f", 8)]
+    assert many_parameters(source, 7, {"f"}) == []
+    method = source.split("\n", 1)[1].replace("self, ", "self, z, ")
+    assert many_parameters(method, 7, set()) == [("m", 8)]
+    assert many_parameters(method, 7, {"C"}) == []
+
+
+def test_modules_and_package_stay_small():
+    """No module over 450 lines; the package under 5,000."""
+    sizes = {_module(p): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
+    assert {m: n for m, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+    assert sum(sizes.values()) < MAX_PACKAGE_LINES, sum(sizes.values())
 
 
 def test_line_counter_leaves_docstrings_out():
