@@ -198,10 +198,7 @@ def _in_shard_map(
     dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
     dyn_args, dyn_kwargs = dynamic
     batch = settings.batch_argnums
-    in_specs = (
-        tuple(P(spec) if i in batch else P() for i in range(len(dyn_args))),
-        P(),
-    )
+    in_specs = tuple(P(spec) if i in batch else P() for i in range(len(dyn_args)))
     out_static, out_def, per_example = [], [], []
 
     # A traced count enters as an operand: `shard_map` cannot close over it.
@@ -225,7 +222,7 @@ def _in_shard_map(
         reduced, rows = jax.shard_map(
             lambda a, k, c: local(a, k, c if traced_count else count),
             mesh=mesh,
-            in_specs=(*in_specs, P()),
+            in_specs=(in_specs, P(), P()),
             out_specs=(P(), P(spec)),
             axis_names=set(axes),
         )(tuple(dyn_args), dyn_kwargs, count if traced_count else 0)

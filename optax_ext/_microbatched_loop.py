@@ -116,24 +116,22 @@ def _check_not_summed(outs: PyTree, kinds: list, acc: list, axis_name: Any) -> N
     paths = jax.tree_util.tree_leaves_with_path(outs)
     for kind, (path, out), a in zip(kinds, paths, acc, strict=True):
         out_axes, acc_axes = varying_axes(out), varying_axes(a)
-        if kind.reduced and None not in (out_axes, acc_axes):
-            _refuse_summed(summed_axes(out_axes, acc_axes, names), axis_name, path)
-
-
-def _refuse_summed(same: tuple, axis_name: Any, path: Any) -> None:
-    if same:
-        along = same[0] if len(same) == 1 else same
-        raise ValueError(
-            f"microbatched(axis_name={axis_name!r}): grad_fn's output at "
-            f"{jax.tree_util.keystr(path) or 'the root'} is the same on every "
-            f"device along {along!r}, so it does not come from this device's "
-            "rows: it is the gradient (or a function) of a value grad_fn "
-            "closes over, and under jax.shard_map jax.grad sums such a "
-            "gradient over the devices already; averaging it again would "
-            "scale it. Pass the params (and every traced value grad_fn "
-            "reads) as arguments of grad_fn, given to the microbatched call: "
-            "`microbatched(jax.grad(loss), k, batch_argnums=1)(params, batch)`."
-        )
+        if not kind.reduced or None in (out_axes, acc_axes):
+            continue
+        same = summed_axes(out_axes, acc_axes, names)
+        if same:
+            along = same[0] if len(same) == 1 else same
+            raise ValueError(
+                f"microbatched(axis_name={axis_name!r}): grad_fn's output at "
+                f"{jax.tree_util.keystr(path) or 'the root'} is the same on every "
+                f"device along {along!r}, so it does not come from this device's "
+                "rows: it is the gradient (or a function) of a value grad_fn "
+                "closes over, and under jax.shard_map jax.grad sums such a "
+                "gradient over the devices already; averaging it again would "
+                "scale it. Pass the params (and every traced value grad_fn "
+                "reads) as arguments of grad_fn, given to the microbatched call: "
+                "`microbatched(jax.grad(loss), k, batch_argnums=1)(params, batch)`."
+            )
 
 
 def _check_weight(weight: Any) -> jax.Array:

@@ -201,17 +201,11 @@ def check_state(
             dtype = jnp.result_type(value)
         except TypeError:
             dtype = None
-        if (
-            dtype is None
-            or not jnp.issubdtype(dtype, jnp.integer)
-            or jnp.ndim(value)
-            or (arrays and not hasattr(value, "dtype"))
-        ):
-            what = (
-                "array (as MultiSteps.init builds it)"
-                if arrays
-                else f"(one state's counter; for a stack of states, jax.vmap {who})"
-            )
+        integer = dtype is not None and jnp.issubdtype(dtype, jnp.integer)
+        if not integer or jnp.ndim(value) or (arrays and not hasattr(value, "dtype")):
+            what = f"(one state's counter; for a stack of states, jax.vmap {who})"
+            if arrays:
+                what = "array (as MultiSteps.init builds it)"
             raise TypeError(
                 f"{who}'s `{state_arg}.{name}` must be a scalar integer "
                 f"{what}, got {describe_value(value)}."
@@ -246,11 +240,8 @@ def _check_weighted(state: Any, weight: Any, weighted: bool, method: str) -> Any
         raise TypeError(_MSG_NO_ACC_WEIGHT.format(weighted_who, state_arg, got))
     value = state.acc_weight
     dtype = getattr(value, "dtype", None)
-    if (
-        dtype is None
-        or not jnp.issubdtype(dtype, jnp.floating)
-        or jnp.shape(value) not in ((), (1,))
-    ):
+    floating = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+    if not floating or jnp.shape(value) not in ((), (1,)):
         raise TypeError(
             f"{weighted_who}'s `{state_arg}.acc_weight` must be a float scalar (as "
             f"init builds it), got {describe_value(value)}."
@@ -278,11 +269,9 @@ def validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
     if callable(every_k_schedule):
         return every_k_schedule
     # A bool is the int it is, as in optax (which tests `isinstance(k, int)`).
-    k = (
-        int(every_k_schedule)
-        if isinstance(every_k_schedule, bool)
-        else as_index(every_k_schedule)
-    )
+    k = as_index(every_k_schedule)
+    if isinstance(every_k_schedule, bool):
+        k = int(every_k_schedule)
     if k is None:
         raise TypeError(
             "every_k_schedule must be a positive int or a function of the "
@@ -302,10 +291,8 @@ def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
     except _UNREAD:
         known = None
     kind = known if known is not None else jnp.asarray(k)
-    numeric = (
-        jnp.issubdtype(kind.dtype, jnp.integer)
-        or jnp.issubdtype(kind.dtype, jnp.floating)
-        or kind.dtype == jnp.bool_
+    numeric = any(
+        jnp.issubdtype(kind.dtype, t) for t in (jnp.integer, jnp.floating, jnp.bool_)
     )
     if kind.shape != () or not numeric:
         raise TypeError(

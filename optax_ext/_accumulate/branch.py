@@ -136,14 +136,8 @@ def update_if(
     if known is not None and counter is None:
         return (*_decided(known, inner_update, operands, inner_state, carry), None)
     one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
-    args = (
-        pred,
-        _traced(inner_update, operands, inner_state, carry),
-        operands,
-        inner_state,
-        carry,
-        counter or (one, zero),
-    )
+    traced = _traced(inner_update, operands, inner_state, carry)
+    args = (pred, traced, operands, inner_state, carry, counter or (one, zero))
     if form is Form.SELECTED:
         result, new_state, count = _selected(*args)
     elif form is Form.PER_PLATFORM:

@@ -93,11 +93,9 @@ class PerDeviceState(SingleDeviceState):
             lax.axis_size(self.axis_name)
         except NameError as e:
             built = f"MultiSteps(axis_name={self.axis_name!r})"
-            who = (
-                f"optax_ext.apply_gradients with {built}"
-                if method == "apply_gradients"
-                else f"{built}.{method}"
-            )
+            who = f"{built}.{method}"
+            if method == "apply_gradients":
+                who = f"optax_ext.apply_gradients with {built}"
             raise NameError(
                 f"{who} must run "
                 f"where the mesh axis {self.axis_name!r} is bound, inside "
