@@ -14,6 +14,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from ._accumulate.accumulator import reduce_across
 from ._accumulate.arithmetic import work_dtype
 from ._microbatched_loop import (
     GradientRows,
@@ -173,20 +174,9 @@ def _across_devices(
     acc, total = looped.accumulators, looped.weight
     if axis_name is None:
         return acc, total
-    kinds = looped.kinds
     weight = total if looped.weights is not None else None
-    parts = [k.part(a, weight) for k, a in zip(kinds, acc, strict=True) if k.reduced]
-    if weight is None:
-        summed = lax.psum(parts, axis_name)
-    else:
-        summed, total = lax.psum((parts, total), axis_name)
-    devices = lax.axis_size(axis_name)
-    reduced = iter(summed)
-    values = [
-        k.whole(next(reduced), total, devices) if k.reduced else a
-        for k, a in zip(kinds, acc, strict=True)
-    ]
-    return values, total
+    values, summed = reduce_across(looped.kinds, acc, weight, axis_name)
+    return values, total if summed is None else summed
 
 
 def _in_shard_map(

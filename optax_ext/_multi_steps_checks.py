@@ -165,9 +165,7 @@ def prepare_step(
         acc if params is None else params,
         opt._inner_structures,
         is_params=params is not None,
-        who=who,
-        state_name=f"{state_arg}.inner_opt_state",
-        owner="MultiSteps",
+        names=(who, f"{state_arg}.inner_opt_state", "MultiSteps"),
     )
     devices.check_gradients(given, acc)
     gradient_step = jnp.asarray(state.gradient_step)

@@ -67,12 +67,12 @@ def check_state_structure(
     known: dict,
     *,
     is_params: bool,
-    who: str,
-    state_name: str,
-    owner: str,
+    names: tuple[str, str, str],
 ) -> tuple[Any, tuple | None] | None:
     """Raises a `TypeError` where `state` does not have the tree `init` builds
-    from `template`; returns the record."""
+    from `template`; returns the record. `names`: who is called, the state's
+    name, the optimizer's."""
+    who, state_name, owner = names
     record = traced_state_record(init, template, known, is_params=is_params)
     if record is None:
         return None

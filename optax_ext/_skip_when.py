@@ -129,9 +129,7 @@ class _SkipWhen(Configured):
             template,
             self._structures,
             is_params=is_params,
-            who=who,
-            state_name=state_name,
-            owner="skip_when",
+            names=(who, state_name, "skip_when"),
         )
 
     def _skip(self, extra_args: dict[str, Any]) -> Any:

@@ -114,6 +114,25 @@ class GradientRows(Rows):
         self.accumulator = accumulator
 
 
+def reduce_across(
+    kinds: list, accs: list, weight: jax.Array | None, axis_name: Any
+) -> tuple[list, jax.Array | None]:
+    """Each device's accumulators (`weight`: its weight, weighted) over every
+    device along `axis_name`, in one all-reduce: the `part`s summed, then
+    `whole`; leaves whose kind is not `reduced` as they are. Returns the
+    weights' sum too (`None` unweighted)."""
+    parts = [k.part(a, weight) for k, a in zip(kinds, accs, strict=True) if k.reduced]
+    if weight is None:
+        parts = lax.psum(parts, axis_name)
+    else:
+        parts, weight = lax.psum((parts, weight), axis_name)
+    n, summed = lax.axis_size(axis_name), iter(parts)
+    return [
+        k.whole(next(summed), weight, n) if k.reduced else a
+        for k, a in zip(kinds, accs, strict=True)
+    ], weight
+
+
 def fold(
     g: jax.Array,
     acc: jax.Array,

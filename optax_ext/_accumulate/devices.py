@@ -14,7 +14,7 @@ from jaxtyping import PyTree
 
 from .._leaves import is_none
 from .._sharding import axis_names, summed_axes, varying_axes, varying_call
-from .accumulator import Accumulator
+from .accumulator import Accumulator, reduce_across
 
 
 def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple[str, Any, Any]]:
@@ -155,16 +155,14 @@ class PerDeviceState(SingleDeviceState):
         self, acc: PyTree, accumulator: Accumulator, weight: jax.Array | None
     ) -> tuple[PyTree, jax.Array | None]:
         """Every device's accumulators and weights meet in one all-reduce."""
-        parts = jax.tree.map(lambda a: accumulator.part(a[0], weight), acc)
-        total = keep = None
-        if accumulator.weighted:
-            parts, total = lax.psum((parts, weight), self.axis_name)
-            keep = total > 0
-        else:
-            parts = lax.psum(parts, self.axis_name)
-        n = lax.axis_size(self.axis_name)
-        whole = jax.tree.map(lambda s: accumulator.whole(s, total, n), parts)
-        return jax.tree.map(lambda w, a: w.astype(a.dtype), whole, acc), keep
+        leaves, treedef = jax.tree.flatten(acc)
+        kinds = [accumulator] * len(leaves)
+        weight = weight if accumulator.weighted else None
+        mine = [a[0] for a in leaves]
+        values, total = reduce_across(kinds, mine, weight, self.axis_name)
+        values = [v.astype(a.dtype) for v, a in zip(values, leaves, strict=True)]
+        keep = None if total is None else total > 0
+        return jax.tree.unflatten(treedef, values), keep
 
 
 def device_state(axis_name: Hashable | None) -> SingleDeviceState:
