@@ -1,19 +1,13 @@
-"""`inject_hyperparams`: a drop-in for `optax.inject_hyperparams`.
-
-The wrapped factory binds its arguments and sorts them (`classify`, rules 1
-to 7 of the docstring; rule 8 needs the params, and is
-`_injection.Injection._traceable`'s); the optimizer built from them is
-`_injection.Injection`.
-"""
+"""`inject_hyperparams`: binds the factory's arguments and sorts them by rules 1
+to 7 (`classify`); `_injection.Injection` is the optimizer, and rule 8."""
 
 from __future__ import annotations
 
-import collections.abc
 import difflib
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -33,14 +27,7 @@ from ._injection import (
 from ._static import snapshot
 from ._tree import describe_value
 
-_CONTAINERS = (
-    collections.abc.Iterable,
-    collections.abc.Mapping,
-    collections.abc.Sequence,
-    list,
-    dict,
-    tuple,
-)
+_CONTAINERS = (Iterable, Mapping, Sequence, list, dict, tuple)
 
 
 def _type_args(annotation: Any) -> list[Any]:
@@ -66,7 +53,7 @@ def _annotation_rules_out_schedule(annotation: Any) -> bool:
     forms = [
         typing.get_args(t)[0]
         for t in _type_args(annotation)
-        if typing.get_origin(t) is collections.abc.Callable
+        if typing.get_origin(t) is Callable
         and isinstance((typing.get_args(t) or (None,))[0], list)
     ]
     if not forms:
@@ -82,9 +69,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _rejects_str(param: inspect.Parameter) -> bool:
-    """Whether the signature says `param` is a number or a schedule: its
-    annotation names neither `str` nor `Any`, or, without one, its default
-    is a number."""
+    """Whether `param`'s annotation names neither `str` nor `Any`, or, without
+    one, its default is a number: it takes a number or a schedule."""
     annotation = param.annotation
     if annotation is param.empty or isinstance(annotation, str):
         default = param.default
@@ -101,10 +87,9 @@ def classify(name: str, value: Any, param: inspect.Parameter, static: set[str]) 
         return STATIC
     if isinstance(value, str) and _rejects_str(param):
         raise ArgumentError(
-            f"{name}={value!r} is a string, but the factory takes a number, an "
-            f"array or a schedule there (its annotation: {param.annotation}, its "
-            f"default: {param.default}). Pass a number, e.g. {name}=0.1, not "
-            "its text."
+            f"{name}={value!r} is a string, but the factory takes a number, an array "
+            f"or a schedule there (its annotation: {param.annotation}, its default: "
+            f"{param.default}). Pass a number, e.g. {name}=0.1, not its text."
         )
     if value is None or isinstance(value, (bool, np.bool_, str, type, np.dtype)):
         return STATIC
@@ -130,32 +115,32 @@ def _check_hyperparam_dtype(dtype: Any) -> Any:
         dtype = jnp.dtype(dtype)
     except TypeError as error:
         raise TypeError(
-            f"hyperparam_dtype must be a floating dtype such as jnp.float32 or "
-            f"None, got {dtype!r}."
+            f"hyperparam_dtype must be a floating dtype such as jnp.float32 or None, "
+            f"got {dtype!r}."
         ) from error
     if not jnp.issubdtype(dtype, jnp.floating):
-        # optax casts every floating hyperparameter to it: learning_rate=0.1
-        # becomes 0 in int32, and the updates are silently zero.
         raise ValueError(
-            f"hyperparam_dtype must be a floating dtype (it is applied to the "
-            f"floating hyperparameters, which {dtype} cannot hold: 0.1 would "
-            f"become {np.asarray(0.1).astype(dtype)!r}); got {dtype}. Use "
-            "e.g. jnp.float32, or None to keep each hyperparameter's dtype."
+            f"hyperparam_dtype must be a floating dtype (it is applied to the floating "
+            f"hyperparameters, which {dtype} cannot hold: 0.1 would become "
+            f"{np.asarray(0.1).astype(dtype)!r}); got {dtype}. Use e.g. jnp.float32, "
+            "or None to keep each hyperparameter's dtype."
         )
     return dtype
+
+
+def _not_taken(names: Iterable[str], signature: inspect.Signature) -> list[str]:
+    """The `names` that `signature` takes neither by name nor by `**kwargs`."""
+    params = signature.parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return []
+    return sorted(set(names) - set(signature.parameters))
 
 
 def _binding_hint(
     error: TypeError, signature: inspect.Signature, kwargs: dict[str, Any], name: str
 ) -> str:
-    """`error` from binding the factory's arguments, naming the keywords it
-    does not take and what they may stand for (a misspelt `learning_rate`
-    is otherwise reported as a missing one)."""
-    accepts_any = any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
-    )
-    unknown = [] if accepts_any else sorted(set(kwargs) - set(signature.parameters))
-    if not unknown:
+    """`error`, naming the keywords the factory does not take and close matches."""
+    if not (unknown := _not_taken(kwargs, signature)):
         return str(error)
     hints = []
     for given in unknown:
@@ -203,14 +188,13 @@ def inject_hyperparams(
     to pass one through against rules 6-8, name it in `static_args`.
 
     **Numerics:** a numeric hyperparameter is stored strongly typed, in
-    `hyperparam_dtype` if given (a strong JAX array keeps its dtype, as in
-    optax), else in the given value's dtype (an int where the factory takes
-    a float as a float). Handed to the factory, a Python number, weak array
-    or schedule value is weakly typed, so it promotes as the number would:
-    the updates are the bare factory's given each number rounded to its
-    stored dtype. Values rounded to 0, 1 or infinity, and names written into
-    `state.hyperparams` that are not injected, are refused (docs page,
-    "Errors").
+    `hyperparam_dtype` if given (a strong JAX array keeps its dtype), else in
+    the given value's dtype (an int where the factory takes a float as a
+    float); handed to the factory, a Python number, weak array or schedule
+    value is weakly typed again. The updates are the bare factory's given each
+    number rounded to its stored dtype. Values rounded to 0, 1 or infinity,
+    and names written into `state.hyperparams` that are not injected, are
+    refused.
 
     **Arguments:**
 
@@ -247,11 +231,9 @@ def inject_hyperparams(
         signature = inspect.signature(inner_factory, eval_str=True)
     except Exception:  # noqa: BLE001 - unresolvable names: use them as strings
         signature = inspect.signature(inner_factory)
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
-    unknown = set() if takes_kwargs else static - set(signature.parameters)
-    if unknown:
+    if unknown := _not_taken(static, signature):
         raise ValueError(
-            f"static_args names {sorted(unknown)}, which "
+            f"static_args names {unknown}, which "
             f"{getattr(inner_factory, '__name__', inner_factory)} does not take; "
             f"its parameters are {list(signature.parameters)}."
         )
@@ -266,13 +248,10 @@ def inject_hyperparams(
             name = getattr(inner_factory, "__name__", repr(inner_factory))
             raise TypeError(_binding_hint(error, signature, kwargs, name)) from None
         bound.apply_defaults()
-        # Read once, here: a dict or list given as a mask and changed later
-        # changes neither this optimizer nor what it compares equal to.
+        # A copy: a mask changed later changes neither this optimizer nor its equals.
         arguments = {n: snapshot(v) for n, v in bound.arguments.items()}
-        kinds = {
-            n: classify(n, v, signature.parameters[n], static)
-            for n, v in arguments.items()
-        }
+        params = signature.parameters
+        kinds = {n: classify(n, v, params[n], static) for n, v in arguments.items()}
         injection = Injection(
             inner_factory, signature, arguments, kinds, static, hyperparam_dtype
         )
