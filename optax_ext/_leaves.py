@@ -1,8 +1,4 @@
-"""Which leaves of params and updates the transformations act on: one
-vocabulary of leaf kinds (differentiated, optimised, passive, integer, weak
-number: the table in docs/design.md, "Which leaves are acted on"), and the
-filters and gap fillers built on it.
-"""
+"""Leaf kinds (docs/design.md, "Which leaves are acted on"), filters, gap fillers."""
 
 from __future__ import annotations
 
@@ -32,14 +28,9 @@ def is_differentiated(x: Any) -> bool:
     return eqx.is_inexact_array(x)
 
 
-def _is_python_inexact(x: Any) -> bool:
-    return isinstance(x, (float, complex))
-
-
 def is_optimised(x: Any) -> bool:
-    """A differentiated leaf or a Python `float` or `complex` (optax keeps
-    state for it)."""
-    return is_differentiated(x) or _is_python_inexact(x)
+    """A differentiated leaf or a Python `float` or `complex` (optax keeps state)."""
+    return is_differentiated(x) or isinstance(x, (float, complex))
 
 
 def is_passive(x: Any) -> bool:
@@ -49,10 +40,8 @@ def is_passive(x: Any) -> bool:
 
 def is_integer(x: Any) -> bool:
     """An integer array (not bool, not a key) or a Python `int` (not bool)."""
-    if isinstance(x, bool):
-        return False
     if isinstance(x, int):
-        return True
+        return not isinstance(x, bool)
     dtype = getattr(x, "dtype", None)
     return (
         dtype is not None
@@ -64,7 +53,7 @@ def is_integer(x: Any) -> bool:
 
 def is_weak_number(x: Any) -> bool:
     """A Python `float` or `complex`, or a weakly typed inexact array."""
-    return _is_python_inexact(x) or (
+    return isinstance(x, (float, complex)) or (
         is_differentiated(x) and bool(getattr(x, "weak_type", False))
     )
 
@@ -84,25 +73,19 @@ def optimised(tree: PyTree) -> PyTree:
     return _keep(tree, is_optimised)
 
 
-def _is_module(x: Any) -> bool:
-    return isinstance(x, eqx.Module)
-
-
 def accumulated(tree: PyTree) -> PyTree:
-    """The leaves `MultiSteps` accumulates, `None` elsewhere: optimised ones
-    inside an `eqx.Module`, integer ones too elsewhere (as optax does)."""
+    """Optimised leaves, integer ones too outside an `eqx.Module` (as optax)."""
 
     def keep(x: Any) -> Any:
-        if _is_module(x):
+        if isinstance(x, eqx.Module):
             return optimised(x)
         return x if is_optimised(x) or is_integer(x) else None
 
-    return jax.tree.map(keep, tree, is_leaf=_is_module)
+    return jax.tree.map(keep, tree, is_leaf=lambda x: isinstance(x, eqx.Module))
 
 
 def _map_or(default: Callable[[], Any], fn: Callable, *trees: PyTree) -> PyTree:
-    """`jax.tree.map(fn, *trees)` with `None` as a leaf, or `default()` where
-    the trees do not line up."""
+    """`jax.tree.map(fn, *trees)` keeping `None`; `default()` where they differ."""
     try:
         return jax.tree.map(fn, *trees, is_leaf=is_none)
     except (ValueError, TypeError):
@@ -114,16 +97,14 @@ def _strong(x: Any) -> jax.Array:
 
 
 def inner_params(params: PyTree) -> PyTree:
-    """`optimised(params)` with each weak number made strong: the params an
-    inner optimizer is given (its state then keeps its avals)."""
+    """`optimised(params)`, weak numbers strong (the inner state keeps its avals)."""
     return jax.tree.map(
         lambda x: _strong(x) if is_weak_number(x) else x, optimised(params)
     )
 
 
 def updates_for_inner(updates: PyTree, params: PyTree) -> PyTree:
-    """`updates` aligned with `inner_params(params)` (undone by
-    `updates_for_params`); trees that do not line up come back unchanged."""
+    """`updates` fit for `inner_params(params)` (undone by `updates_for_params`)."""
     if params is None:
         return updates
 
@@ -140,8 +121,7 @@ def updates_for_inner(updates: PyTree, params: PyTree) -> PyTree:
 
 
 def updates_for_params(original: PyTree, new: PyTree, params: PyTree) -> PyTree:
-    """The inner optimizer's `new` updates back for the params: `None` where
-    `original` had it, zeros where the param is passive."""
+    """Inner `new` updates for the params: `original`'s `None`s, zeros if passive."""
     if params is None:
         return restore_none(original, new)
 
@@ -157,9 +137,7 @@ def updates_for_params(original: PyTree, new: PyTree, params: PyTree) -> PyTree:
 
 
 def zeros_where_undifferentiated(updates: PyTree, params: PyTree) -> PyTree:
-    """`updates` with zeros where a `None` meets an accumulated leaf that is not
-    differentiated (undone by `restore_none`); trees that do not line up
-    come back unchanged."""
+    """Zeros for `None` updates of undifferentiated leaves (undone: `restore_none`)."""
     if params is None:
         return updates
 

@@ -1,5 +1,4 @@
-"""What `MultiSteps` checks of its arguments and inputs: `prepare_step`
-builds a step's inputs, `check_state` checks a state once."""
+"""`MultiSteps`' checks: `prepare_step` builds a step's inputs, `check_state`."""
 
 from __future__ import annotations
 
@@ -27,11 +26,11 @@ INT32_MAX = int(jnp.iinfo(jnp.int32).max)
 NO_WEIGHT = object()
 _UNREAD = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
 _ACC = "the accumulated gradients in the state"
+_NUMERIC = (jnp.integer, jnp.floating, jnp.bool_)
 
 _MSG_EVERY_K = (
-    "every_k_schedule must be an int from 1 to 2**31 - 1, got {!r}: it is the "
-    "number of mini-steps accumulated per update, counted in the state's int32 "
-    "mini_step."
+    "every_k_schedule must be an int from 1 to 2**31 - 1, got {!r}: it is the number "
+    "of mini-steps accumulated per update, counted in the state's int32 mini_step."
 )
 _MSG_K = (
     "every_k_schedule returned {!r}{}; a window is a whole number of mini-steps "
@@ -43,25 +42,22 @@ _MSG_FIELDS = (
     "got {}, which has no {}. {}"
 )
 _HINT_DICT = (
-    "It is a dict with the state's fields, as a checkpoint restored without a "
-    "target comes back: restore into the abstract state "
-    "(`jax.eval_shape(opt.init, params)`) or the state init returns, so that "
-    "its types come back too."
+    "It is a dict with the state's fields, as a checkpoint restored without a target "
+    "comes back: restore into the abstract state (`jax.eval_shape(opt.init, params)`) "
+    "or the state init returns, so that its types come back too."
 )
 _HINT_STATE = (
     "Pass the whole MultiSteps state (not its inner_opt_state, nor another "
     "optimizer's state)."
 )
 _MSG_UNWEIGHTED = (
-    "{} got weight={}, but this MultiSteps was built without weighted=True, "
-    "where every mini-step counts the same. Build it with "
-    "`MultiSteps(..., weighted=True)` (and init its state again) to average the "
-    "mini-steps by weight."
+    "{} got weight={}, but this MultiSteps was built without weighted=True, where "
+    "every mini-step counts the same. Build it with `MultiSteps(..., weighted=True)` "
+    "(and init its state again) to average the mini-steps by weight."
 )
 _MSG_NEEDS_WEIGHT = (
-    "{} needs `weight=`: this mini-step's weight, a scalar >= 0 (e.g. its number "
-    "of non-padding tokens). The window emits the mean of its gradients "
-    "weighted by it."
+    "{} needs `weight=`: this mini-step's weight, a scalar >= 0 (e.g. its number of "
+    "non-padding tokens). The window emits the mean of its gradients weighted by it."
 )
 _MSG_WEIGHT_TYPE = (
     "{}'s `weight` must be a real scalar >= 0 (an int or float, e.g. the "
@@ -73,23 +69,20 @@ _MSG_WEIGHT_VALUE = (
 )
 _MSG_WEIGHT_HELD = (
     "{0}'s `weight` is {1!r}, which the window's weights (summed in {2}, as "
-    "state.acc_weight) do not hold: {2} keeps {3:.3g} to {4:.3g}, and XLA "
-    "flushes a smaller one to 0. Only the weights' ratios matter: scale them "
-    "all alike."
+    "state.acc_weight) do not hold: {2} keeps {3:.3g} to {4:.3g}, and XLA flushes a "
+    "smaller one to 0. Only the weights' ratios matter: scale them all alike."
 )
 _MSG_NO_ACC_WEIGHT = (
     "{}'s `{}` has no acc_weight: got {}, not the WeightedMultiStepsState that "
     "its init returns. Build the state with this MultiSteps' init."
 )
 _MSG_OTHER_KIND = (
-    "{} got a WeightedMultiStepsState (from MultiSteps(..., weighted=True).init) "
-    "for a MultiSteps built without weighted=True; build both with the same "
-    "`weighted`."
+    "{} got a WeightedMultiStepsState (from MultiSteps(..., weighted=True).init) for a "
+    "MultiSteps built without weighted=True; build both with the same `weighted`."
 )
 _MSG_SKIP_FLAG = (
-    "should_skip_update_fn {} must return a scalar bool as its first output, got "
-    "{} {!r} (dtype {}, shape {}). Reduce it to one decision, e.g. with "
-    "`jnp.any(...)`."
+    "should_skip_update_fn {} must return a scalar bool as its first output, got {} "
+    "{!r} (dtype {}, shape {}). Reduce it to one decision, e.g. with `jnp.any(...)`."
 )
 _HINT_PARAMS = (
     "pass the params (or the Equinox model) this MultiSteps's init was given, "
@@ -155,7 +148,6 @@ def prepare_step(
     if params is not None:
         params = accumulated(params)
         _check_params(params, acc)
-    # `None` gradients (`eqx.filter_grad`'s integer params) as zeros.
     given, grads = grads, zeros_where_undifferentiated(grads, params)
     _check_gradients(grads, acc, opt._accumulator_dtype)
     who, state_arg = _caller(method)
@@ -181,8 +173,7 @@ def check_state(
     counters: bool = True,
     weight: Any = NO_WEIGHT,
 ) -> Any:
-    """Raises unless `state` has `MultiStepsState`'s fields and (with
-    `counters`) scalar integer counters; with `weighted`, returns `weight`."""
+    """Checks `state`'s fields and counters; with `weighted`, returns `weight`."""
     who, state_arg = _caller(method)
     fields = optax.MultiStepsState._fields
     missing = [f for f in fields if not hasattr(state, f)]
@@ -244,7 +235,6 @@ def _check_weighted(state: Any, weight: Any, weighted: bool, method: str) -> Any
             f"{weighted_who}'s `{state_arg}.acc_weight` must be a float scalar (as "
             f"init builds it), got {describe_value(value)}."
         )
-    # XLA flushes a weight below the smallest normal to 0; above max is inf.
     dtype = jnp.result_type(value)
     tiny, largest = float(jnp.finfo(dtype).tiny), float(jnp.finfo(dtype).max)
     if known is not None and (0 < known < tiny or known > largest):
@@ -282,16 +272,13 @@ def validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
 
 
 def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
-    """The window length from `every_k_schedule`; a known one must be a whole
-    number from 1 to 2**31 - 1."""
+    """The window length from `every_k_schedule`, checked where known."""
     try:
         known = np.asarray(k)
     except _UNREAD:
         known = None
     kind = known if known is not None else jnp.asarray(k)
-    numeric = any(
-        jnp.issubdtype(kind.dtype, t) for t in (jnp.integer, jnp.floating, jnp.bool_)
-    )
+    numeric = any(jnp.issubdtype(kind.dtype, t) for t in _NUMERIC)
     if kind.shape != () or not numeric:
         raise TypeError(
             "every_k_schedule must return a scalar int (the number of mini-steps "
@@ -299,10 +286,8 @@ def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
         )
     if kind.dtype == jnp.bool_:
         k = jnp.asarray(k, jnp.int32)
-    if known is None:
-        return jnp.asarray(k)
-    value = known.item()
-    if not 1 <= value <= INT32_MAX or value != int(value):
+    value = None if known is None else known.item()
+    if value is not None and not (1 <= value <= INT32_MAX and value == int(value)):
         try:
             at = f" at gradient step {int(gradient_step)}"
         except jax.errors.ConcretizationTypeError:
@@ -332,14 +317,12 @@ def skip_decision(
     params: PyTree,
     weight: Any = None,
 ) -> tuple[jax.Array, PyTree]:
-    """`fn(updates, gradient_step, params)` checked; never skip without `fn`.
-    `fn` sees zeros for a mini-step of `weight` 0."""
+    """`fn(updates, gradient_step, params)` checked (zeros where `weight` is 0)."""
     if fn is None:
         return jnp.zeros((), jnp.bool_), ()
     if weight is not None:
-        zero_weight = (
-            weight == 0 if isinstance(weight, jax.Array) else np.asarray(weight) == 0
-        )
+        w = weight if isinstance(weight, jax.Array) else np.asarray(weight)
+        zero_weight = w == 0
         updates = jax.tree.map(
             lambda g: jnp.where(zero_weight, jnp.zeros_like(g), g), updates
         )

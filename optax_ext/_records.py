@@ -1,7 +1,4 @@
-"""What an inner `init` builds (the state's tree and leaf avals), traced
-abstractly and cached by the params' avals; the state check against it and
-`strong_as_recorded` (why: docs/design.md, "Guarantees").
-"""
+"""An inner `init`'s state, recorded and checked (why: docs/design.md, "Guarantees")."""
 
 from __future__ import annotations
 
@@ -16,15 +13,13 @@ from ._tree import is_weak
 
 
 def avals_key(tree: Any) -> tuple | None:
-    """`tree`'s structure and leaf avals, hashable; `None` where a leaf is not
-    an array or number."""
+    """`tree`'s structure and leaf avals, hashable; `None` for a leaf without one."""
     treedef, avals = state_record(tree)
     return None if any(aval is None for aval in avals) else (treedef, avals)
 
 
 def state_record(state: PyTree) -> tuple[Any, tuple]:
-    """A tree's structure and each leaf's (shape, dtype, weak type), `None`
-    for a leaf without a dtype (Python numbers count as weak)."""
+    """A tree's structure and leaves' (shape, dtype, weak type); Python numbers weak."""
     leaves, treedef = jax.tree.flatten(state)
     avals = []
     for x in leaves:
@@ -42,9 +37,7 @@ def state_record(state: PyTree) -> tuple[Any, tuple]:
 def traced_state_record(
     init: Any, template: PyTree, known: dict, *, is_params: bool
 ) -> tuple[Any, tuple | None] | None:
-    """`state_record` of `init(template)`, traced abstractly and cached in
-    `known`: the structure alone unless `is_params`; `None` where `init`
-    needs real params."""
+    """`state_record` of `init(template)`, traced abstractly, cached in `known`."""
     key = avals_key(template)
     key = None if key is None else (is_params, key)
     if key is not None and key in known:
@@ -69,9 +62,7 @@ def check_state_structure(
     is_params: bool,
     names: tuple[str, str, str],
 ) -> tuple[Any, tuple | None] | None:
-    """Raises a `TypeError` where `state` does not have the tree `init` builds
-    from `template`; returns the record. `names`: who is called, the state's
-    name, the optimizer's."""
+    """Raises unless `state` has `init(template)`'s tree; returns the record."""
     who, state_name, owner = names
     record = traced_state_record(init, template, known, is_params=is_params)
     if record is None:
@@ -90,8 +81,7 @@ def check_state_structure(
 def strong_as_recorded(
     state: PyTree, record: tuple[Any, tuple | None] | None
 ) -> PyTree:
-    """`state` with each weak leaf made strong where `record` has it strong
-    with the same shape and dtype; for the state a step returns."""
+    """`state` with each weak leaf made strong where `record` has it strong."""
     if record is None or record[1] is None:
         return state
     leaves, treedef = jax.tree.flatten(state)
@@ -99,13 +89,8 @@ def strong_as_recorded(
         return state
     out = []
     for x, aval in zip(leaves, record[1], strict=True):
-        if (
-            aval is not None
-            and not aval[2]
-            and is_weak(x)
-            and jnp.result_type(x) == aval[1]
-            and tuple(jnp.shape(x)) == aval[0]
-        ):
+        strong = aval is not None and not aval[2] and is_weak(x)
+        if strong and (tuple(jnp.shape(x)), jnp.result_type(x)) == aval[:2]:
             x = lax.convert_element_type(x, aval[1])
         out.append(x)
     return jax.tree.unflatten(treedef, out)

@@ -1,7 +1,4 @@
-"""Shardings and mesh axes: state leaves that mirror a param get its
-sharding (why and how: docs/data_parallel.md, "Sharded state that mirrors
-the params"), and the mesh-axis helpers of the `axis_name` forms.
-"""
+"""State that mirrors a param gets its sharding (docs/data_parallel.md); mesh axes."""
 
 from __future__ import annotations
 
@@ -29,9 +26,7 @@ def typed_sharding(x: Any) -> Any:
     except (AttributeError, TypeError):
         return None
     spec = getattr(sharding, "spec", None)
-    if spec is None or all(axis is None for axis in spec):
-        return None
-    return sharding
+    return None if spec is None or all(axis is None for axis in spec) else sharding
 
 
 def _exact_zero_like(param: jax.Array, dtype: Any) -> jax.Array:
@@ -60,15 +55,12 @@ def _mirror_leaf(leaf: Any, param: Any) -> Any:
 
 
 def mirror_param_sharding(state: PyTree, params: PyTree) -> PyTree:
-    """Each subtree of `state` shaped like `params` (holes allowed) with the
-    params' shardings, where a leaf has its param's shape."""
+    """`state`'s subtrees shaped like `params` (holes allowed) given their shardings."""
     skeleton = jax.tree.structure(params, is_leaf=_is_hole)
     if skeleton.num_leaves == 0:
         return state
     param_leaves = jax.tree.leaves(params, is_leaf=_is_hole)
-
-    def mirrors(node: Any) -> bool:
-        return jax.tree.structure(node, is_leaf=_is_hole) == skeleton
+    mirrors = lambda node: jax.tree.structure(node, is_leaf=_is_hole) == skeleton
 
     def fix(node: Any) -> Any:
         if not mirrors(node):
@@ -94,15 +86,13 @@ def shards_over(tree: PyTree, axes: Any) -> bool:
     for x in jax.tree.leaves(tree):
         sharding = typed_sharding(x)
         for entry in () if sharding is None else sharding.spec:
-            entry = axis_names(entry)
-            if names.intersection(entry):
+            if names.intersection(axis_names(entry)):
                 return True
     return False
 
 
 def split_leading(x: jax.Array, k: int) -> jax.Array:
-    """`x`'s leading axis reshaped to `(n // k, k)` (row `a * k + j` at
-    `[a, j]`), a typed split kept on the first."""
+    """`x`'s leading axis reshaped to `(n // k, k)`, a typed split kept on the first."""
     shape = (x.shape[0] // k, k, *x.shape[1:])
     sharding = typed_sharding(x)
     if sharding is None:
@@ -120,8 +110,7 @@ def sharded_type(struct: Any) -> bool:
 
 
 def varying_axes(x: Any) -> frozenset | None:
-    """The mesh axes `x` may differ along inside `jax.shard_map` (its type's
-    `vma`); None where the type does not say."""
+    """The mesh axes `x` may vary along in `jax.shard_map` (None where unsaid)."""
     return aval_varying_axes(jax.typeof(x))
 
 
@@ -134,8 +123,7 @@ def aval_varying_axes(aval: Any) -> frozenset | None:
 
 
 def summed_axes(axes: frozenset, like_axes: frozenset, names: tuple) -> tuple:
-    """The axes of `names` in `like_axes` but not in `axes`: where a value is
-    the same on every device, as `jax.grad` of a replicated one sums it."""
+    """The axes of `names` in `like_axes` but not in `axes` (a value the same there)."""
     return tuple(n for n in names if n in like_axes and n not in axes)
 
 
@@ -145,8 +133,7 @@ def axis_names(axes: Any) -> tuple:
 
 
 def manual_axes(names: tuple) -> tuple:
-    """The axes of `names` bound here by `jax.shard_map` (`Manual`; not a
-    `jax.vmap` axis): the only ones a value can vary over."""
+    """The axes of `names` bound here by `jax.shard_map` (`Manual`, not `jax.vmap`)."""
     mesh = jax.sharding.get_abstract_mesh()
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     return tuple(n for n in names if types.get(n) == jax.sharding.AxisType.Manual)

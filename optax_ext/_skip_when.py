@@ -26,6 +26,9 @@ from ._transformations import (
 )
 from ._tree import check_updates_fit_params, describe_value
 
+_UPDATE = ("skip_when.update", "state")
+_APPLY = ("optax_ext.apply_gradients", "opt_state")
+
 
 def _run(skip: jax.Array) -> Any:
     """Whether the inner optimizer runs; a Python bool where `skip` is known."""
@@ -63,23 +66,14 @@ class _SkipWhen(Configured):
         check_updates_fit_params(updates, params, "skip_when.update")
         filled = updates_for_inner(updates, params)
         given_params = None if params is None else inner_params(params)
-        # Checked against the params where given: a misfit is the state's.
-        record = self._check_state(
-            state,
-            filled if given_params is None else given_params,
-            "skip_when.update",
-            "state",
-            is_params=given_params is not None,
-        )
+        record = self._check_state(state, given_params, filled, *_UPDATE)
 
         def inner_update(grads, inner_state):
             return self.inner.update(grads, inner_state, given_params, **extra_args)
 
-        new_updates, new_state, _ = update_if(
-            _run(skip), inner_update, (filled,), state
-        )
+        new, new_state, _ = update_if(_run(skip), inner_update, (filled,), state)
         new_state = strong_as_recorded(new_state, record)
-        return updates_for_params(updates, new_updates, params), new_state
+        return updates_for_params(updates, new, params), new_state
 
     def _apply_gradients(
         self,
@@ -90,16 +84,9 @@ class _SkipWhen(Configured):
     ) -> tuple[optax.Params, optax.OptState]:
         """`update` and `apply_updates`, fused: a skipped step returns `params`."""
         skip = self._skip(extra_args)
-        check_updates_fit_params(grads, params, "optax_ext.apply_gradients", "grads")
-        record = self._check_state(
-            state,
-            inner_params(params),
-            "optax_ext.apply_gradients",
-            "opt_state",
-            is_params=True,
-        )
-        # The inner step gets what `update` gives it; only the arrays with a
-        # gradient go through the conditional, the other leaves stay outside.
+        check_updates_fit_params(grads, params, _APPLY[0], "grads")
+        record = self._check_state(state, inner_params(params), None, *_APPLY)
+        # As in `update`; only the arrays with a gradient go through the conditional.
         arrays = restore_none(grads, differentiated(params))
 
         def inner_apply(filled, inner_state, arrays):
@@ -119,17 +106,15 @@ class _SkipWhen(Configured):
         new_state = strong_as_recorded(new_state, record)
         return merge_trainable(params, new_arrays), new_state
 
-    def _check_state(
-        self, state: Any, template: Any, who: str, state_name: str, *, is_params: bool
-    ) -> Any:
-        """`check_state_structure` of `state` for `inner`; returns the record."""
+    def _check_state(self, state: Any, params: Any, updates: Any, *names: str) -> Any:
+        """`state`'s record, checked on `params` where given (a misfit: the state's)."""
         return check_state_structure(
             self.inner.init,
             state,
-            template,
+            updates if params is None else params,
             self._structures,
-            is_params=is_params,
-            names=(who, state_name, "skip_when"),
+            is_params=params is not None,
+            names=(*names, "skip_when"),
         )
 
     def _skip(self, extra_args: dict[str, Any]) -> Any:

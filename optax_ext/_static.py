@@ -1,9 +1,7 @@
-"""Equality and hashing by configuration, so that a jitted step taking an
-optimizer as a static argument does not recompile for an equal one (optax's
-closures never compare equal: optax #197, #353, #577; equinox #940). Equal
-means "builds the same program": only immutable, concrete values are
-compared by value, a tracer by identity (docs/design.md, "Guarantees").
-"""
+"""Equality and hashing by configuration: a jitted step taking an optimizer as a
+static argument does not recompile for an equal one (optax's closures never compare
+equal: optax #197, #353, #577; equinox #940). Equal means "builds the same program":
+immutable, concrete values compare by value, a tracer by identity (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ class _ByIdentity(Exception):
 
 
 def _array_key(x: np.ndarray | np.generic | jax.Array) -> tuple:
-    """A concrete 0-d array (or typed key) by kind, dtype, weak type and bits;
-    `_ByIdentity` for a writeable, larger or unreadable one."""
+    """A read-only concrete 0-d array or key by kind, dtype, weak type and bits."""
     kind = "jax" if isinstance(x, jax.Array) else "numpy"
     if np.ndim(x) != 0 or (isinstance(x, np.ndarray) and x.flags.writeable):
         raise _ByIdentity
@@ -42,8 +39,7 @@ def _array_key(x: np.ndarray | np.generic | jax.Array) -> tuple:
 
 
 def _leaf_key(leaf: Any) -> tuple:
-    """What a configuration leaf is compared by (numbers by type and bits);
-    `_ByIdentity` where it is not compared by value."""
+    """What a configuration leaf compares by (numbers by bits); else `_ByIdentity`."""
     if isinstance(leaf, jax.core.Tracer):
         raise _ByIdentity
     kind = type(leaf)
@@ -61,8 +57,7 @@ def _leaf_key(leaf: Any) -> tuple:
 
 
 class _Same:
-    """A leaf compared by identity inside a value compared by its contents
-    (the `ConfigKey` holding it keeps the object alive for its `id`)."""
+    """A leaf compared by identity (its `ConfigKey` keeps it alive for its `id`)."""
 
     __slots__ = ("leaf",)
 
@@ -77,8 +72,7 @@ class _Same:
 
 
 def _by_value(value: Any) -> tuple | None:
-    """A hashable stand-in for `value`: its structure and each leaf's
-    `_leaf_key` (or `_Same`); `None` where it cannot be flattened or hashed."""
+    """A hashable stand-in: structure and `_leaf_key`s (or `_Same`s); else `None`."""
     try:
         leaves, treedef = jax.tree.flatten(value)
     except Exception:  # noqa: BLE001 - a node that cannot be flattened
@@ -98,8 +92,7 @@ def _by_value(value: Any) -> tuple | None:
 
 
 def snapshot(value: Any) -> Any:
-    """`value` with its containers rebuilt around the same leaves, so that a
-    caller's dict changed later does not change the optimizer."""
+    """`value`'s containers rebuilt, so a caller's later change leaves it alone."""
     try:
         return jax.tree.map(lambda leaf: leaf, value)
     except Exception:  # noqa: BLE001 - a node that cannot be rebuilt
@@ -138,8 +131,7 @@ def config_key(*values: Any) -> tuple[ConfigKey, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """`owner.name` as a callable that compares equal when the owners do
-    (Python's bound methods compare their owners by identity)."""
+    """`owner.name`, equal when the owners are (bound methods compare by identity)."""
 
     owner: Any
     name: str
@@ -154,8 +146,7 @@ class Method:
 
 
 class Configured:
-    """Equal and hashed by `self._key` (set in `__init__` with `config_key`);
-    `as_transformation()` gives the optax protocol, equal when they are."""
+    """Equal and hashed by `self._key`; `as_transformation()` gives optax's protocol."""
 
     _key: tuple
 

@@ -1,5 +1,4 @@
-"""Pytree helpers: structure and shape checks naming the first path that
-differs, casts that keep dtype and weak type, and values described for errors."""
+"""Pytree helpers: structure and shape checks, casts keeping weak types, messages."""
 
 from __future__ import annotations
 
@@ -35,11 +34,10 @@ def _describe(leaf: Any) -> str:
 
 
 _STRUCTURE_HINT = (
-    "Pass updates with the same structure as the params the optimizer was "
-    "initialised with. Only floating arrays are optimised: other params "
-    "leaves (Python scalars, integer arrays, functions) hold None in the "
-    "state, as `eqx.filter_grad` gives None for them; wrap a Python scalar "
-    "you want trained in `jnp.asarray`."
+    "Pass updates with the same structure as the params the optimizer was initialised "
+    "with. Only floating arrays are optimised: other params leaves (Python scalars, "
+    "integer arrays, functions) hold None in the state, as `eqx.filter_grad` gives "
+    "None for them; wrap a Python scalar you want trained in `jnp.asarray`."
 )
 
 
@@ -100,10 +98,9 @@ def check_same_structure(
     hint: str = _STRUCTURE_HINT,
 ) -> None:
     """Raises a `ValueError` naming the first path where two trees differ."""
-    exp_leaves, exp_def = jax.tree_util.tree_flatten_with_path(
-        expected, is_leaf=is_none
-    )
-    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got, is_leaf=is_none)
+    flatten = lambda t: jax.tree_util.tree_flatten_with_path(t, is_leaf=is_none)
+    exp_leaves, exp_def = flatten(expected)
+    got_leaves, got_def = flatten(got)
     if exp_def == got_def and all(
         (a is None) == (b is None)
         for (_, a), (_, b) in zip(exp_leaves, got_leaves, strict=True)
@@ -138,7 +135,6 @@ def saturating_increment(x: jax.Array) -> jax.Array:
     """`x + 1`, staying at the dtype's maximum instead of wrapping around."""
     x = jnp.asarray(x)
     top = jnp.iinfo(x.dtype).max
-    # As `optax.safe_increment`: one kernel for this count and the inner one.
     return jnp.where(x < top, x + 1, jnp.asarray(top, x.dtype)).astype(x.dtype)
 
 
@@ -147,61 +143,49 @@ def is_weak(x: Any) -> bool:
 
 
 def cast_like(x: jax.Array, like: Any) -> jax.Array:
-    """Returns `x` with the dtype and weak type of `like`, an array or a
-    `jax.ShapeDtypeStruct` of its shape (through `lax.full_like`)."""
+    """`x` with the dtype and weak type of `like` (an array or `ShapeDtypeStruct`)."""
     x = jnp.asarray(x)
     if x.dtype == like.dtype and is_weak(x) == is_weak(like):
         return x
     if not is_weak(like):
         return lax.convert_element_type(x, like.dtype)
     if isinstance(like, jax.ShapeDtypeStruct):
-        # A weak type other than the default has no public constructor.
         template = as_weak(jnp.zeros((), like.dtype))
         if template.dtype != like.dtype:
             return lax.convert_element_type(x, like.dtype)
     else:
         template = lax.full_like(like, 0, shape=())
     fill = lambda v: lax.full_like(template, v)  # noqa: E731
-    # One vmap per axis: reshaping an `Explicit`-sharded array is an error.
     for _ in range(x.ndim):
         fill = jax.vmap(fill)
     return fill(x)
 
 
+_PYTHON_ZEROS = ((jnp.complexfloating, 0j), (jnp.floating, 0.0), (jnp.integer, 0))
+
+
 def as_weak(x: jax.Array) -> jax.Array:
-    """Returns `x` as a Python number of its kind enters a trace: weakly
-    typed, of the default dtype."""
+    """`x` as a Python number of its kind enters a trace (weak, default dtype)."""
     x = jnp.asarray(x)
     if is_weak(x):
         return x
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        python_zero: complex = 0j
-    elif jnp.issubdtype(x.dtype, jnp.floating):
-        python_zero = 0.0
-    elif jnp.issubdtype(x.dtype, jnp.integer):
-        python_zero = 0
-    else:
-        return x
-    return cast_like(x, jnp.asarray(python_zero))
+    for kind, python_zero in _PYTHON_ZEROS:
+        if jnp.issubdtype(x.dtype, kind):
+            return cast_like(x, jnp.asarray(python_zero))
+    return x
 
 
 def check_updates_fit_params(
     updates: PyTree, params: PyTree, who: str, name: str = "updates"
 ) -> None:
-    """Raises a `ValueError` naming the first path where `updates` do not have
-    the tree of `optimised(params)` (a `None` update fits any leaf)."""
+    """Raises unless `updates` have `optimised(params)`'s tree (`None` fits a leaf)."""
     if params is None:
         return
     kept = optimised(params)
-
-    def flat(tree: PyTree) -> PyTree:
-        return jax.tree.map(
-            lambda x: _NO_UPDATE if x is None else x, tree, is_leaf=is_none
-        )
-
-    updates_def = jax.tree.structure(updates, is_leaf=is_none)
-    params_def = jax.tree.structure(kept, is_leaf=is_none)
-    if updates_def != params_def:
+    mark = lambda x: _NO_UPDATE if x is None else x
+    flat = lambda tree: jax.tree.map(mark, tree, is_leaf=is_none)
+    structure = lambda tree: jax.tree.structure(tree, is_leaf=is_none)
+    if structure(updates) != structure(kept):
         try:
             check_same_structure(
                 flat(kept),
