@@ -1,5 +1,4 @@
-"""`inject_hyperparams`: binds the factory's arguments and sorts them by rules 1
-to 7 (`classify`); `_injection.Injection` is the optimizer, and rule 8."""
+"""`inject_hyperparams`: the factory's arguments, sorted by rules 1 to 7."""
 
 from __future__ import annotations
 
@@ -14,16 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ._injection import (
-    NUMBER_TYPES,
-    NUMERIC,
-    SCHEDULE,
-    STATEFUL,
-    STATIC,
-    ArgumentError,
-    Injection,
-    is_mask_name,
-)
+from . import _injection
+from ._injection import NUMBER_TYPES, NUMERIC, SCHEDULE, STATEFUL, STATIC
 from ._static import snapshot
 from ._tree import describe_value
 
@@ -56,21 +47,18 @@ def _annotation_rules_out_schedule(annotation: Any) -> bool:
         if typing.get_origin(t) is Callable
         and isinstance((typing.get_args(t) or (None,))[0], list)
     ]
-    if not forms:
-        return False
-    return not any(len(f) == 1 and not _takes_a_tree(f[0]) for f in forms)
+    return bool(forms) and not any(
+        len(f) == 1 and not _takes_a_tree(f[0]) for f in forms
+    )
 
 
 def _is_int(value: Any) -> bool:
     """A Python or NumPy integer scalar (not a bool)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(
-        value, (bool, np.bool_)
-    )
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _rejects_str(param: inspect.Parameter) -> bool:
-    """Whether `param`'s annotation names neither `str` nor `Any`, or, without
-    one, its default is a number: it takes a number or a schedule."""
+    """Whether `param`'s annotation (else its default) says a number, not a `str`."""
     annotation = param.annotation
     if annotation is param.empty or isinstance(annotation, str):
         default = param.default
@@ -86,7 +74,7 @@ def classify(name: str, value: Any, param: inspect.Parameter, static: set[str]) 
     if name in static or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
         return STATIC
     if isinstance(value, str) and _rejects_str(param):
-        raise ArgumentError(
+        raise _injection.ArgumentError(
             f"{name}={value!r} is a string, but the factory takes a number, an array "
             f"or a schedule there (its annotation: {param.annotation}, its default: "
             f"{param.default}). Pass a number, e.g. {name}=0.1, not its text."
@@ -95,7 +83,7 @@ def classify(name: str, value: Any, param: inspect.Parameter, static: set[str]) 
         return STATIC
     if isinstance(value, optax.schedules.StatefulSchedule):
         return STATEFUL
-    if is_mask_name(name):
+    if _injection.is_mask_name(name):
         return STATIC
     if callable(value):
         if param.default is not param.empty and callable(param.default):
@@ -130,8 +118,7 @@ def _check_hyperparam_dtype(dtype: Any) -> Any:
 
 def _not_taken(names: Iterable[str], signature: inspect.Signature) -> list[str]:
     """The `names` that `signature` takes neither by name nor by `**kwargs`."""
-    params = signature.parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
+    if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
         return []
     return sorted(set(names) - set(signature.parameters))
 
@@ -159,11 +146,11 @@ def inject_hyperparams(
 ) -> Callable[..., optax.GradientTransformationExtraArgs]:
     """Makes the hyperparameters of an optimizer factory part of its state.
 
-    A drop-in for `optax.inject_hyperparams` with the same signature and the
-    same state, `optax.InjectStatefulHyperparamsState`: numeric
-    hyperparameters can be read and written in `state.hyperparams`, schedules
-    are evaluated on the step count, and `jax.grad` with respect to
-    `state.hyperparams["learning_rate"]` gives hypergradients.
+    A drop-in for `optax.inject_hyperparams` with the same signature and state,
+    `optax.InjectStatefulHyperparamsState`: numeric hyperparameters can be read
+    and written in `state.hyperparams`, schedules are evaluated on the step
+    count, and `jax.grad` with respect to `state.hyperparams["learning_rate"]`
+    gives hypergradients.
 
     **How each argument of the factory is treated** (first rule that applies;
     details in docs/inject_hyperparams.md):
@@ -174,27 +161,23 @@ def inject_hyperparams(
     4. a parameter named `mask` or ending in `_mask`: passed through, a
        pytree or a function `params -> mask` (optax #1373);
     5. any other callable where the factory's default is a callable, or whose
-       annotation names callables none of which takes one number: passed
-       through;
-    6. any other callable is a schedule, called with the step count;
+       annotation names callables none taking one number: passed through;
+    6. any other callable: a schedule, called with the step count;
     7. a Python or NumPy int where the factory's default is an int (a size or
-       count) is passed through (optax issue #412);
-    8. any other number or array is injected into `state.hyperparams`, except
-       one that raises a concretization error when traced on its own in an
-       abstract trial of the factory's init and update (`scale_by_sm3`'s
-       `b2`): that one is passed through, absent from `state.hyperparams`.
+       count): passed through (optax #412);
+    8. any other number or array: injected into `state.hyperparams`, unless
+       traced on its own in an abstract trial of the factory's init and update
+       it raises a concretization error (`scale_by_sm3`'s `b2`): passed through.
 
     To make an argument a schedule against rules 4-5, wrap it in a `lambda`;
     to pass one through against rules 6-8, name it in `static_args`.
 
     **Numerics:** a numeric hyperparameter is stored strongly typed, in
     `hyperparam_dtype` if given (a strong JAX array keeps its dtype), else in
-    the given value's dtype (an int where the factory takes a float as a
-    float); handed to the factory, a Python number, weak array or schedule
-    value is weakly typed again. The updates are the bare factory's given each
-    number rounded to its stored dtype. Values rounded to 0, 1 or infinity,
-    and names written into `state.hyperparams` that are not injected, are
-    refused.
+    its given dtype; a Python number, weak array or schedule value is handed to
+    the factory weakly typed. The updates are the bare factory's given each
+    number rounded to its stored dtype. Values rounded to 0, 1 or infinity, and
+    names written into `state.hyperparams` that are not injected, are refused.
 
     **Arguments:**
 
@@ -252,7 +235,7 @@ def inject_hyperparams(
         arguments = {n: snapshot(v) for n, v in bound.arguments.items()}
         params = signature.parameters
         kinds = {n: classify(n, v, params[n], static) for n, v in arguments.items()}
-        injection = Injection(
+        injection = _injection.Injection(
             inner_factory, signature, arguments, kinds, static, hyperparam_dtype
         )
         return injection.as_transformation()

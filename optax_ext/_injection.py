@@ -1,8 +1,4 @@
-"""The optimizer `inject_hyperparams(factory)(...)` returns: the two forms of
-a numeric hyperparameter (stored in the state, handed to the factory), rule
-8 of the argument rules (numbers the factory cannot take traced), and the
-`init` and `update` built from them.
-"""
+"""The optimizer `inject_hyperparams(factory)(...)` returns, and rule 8."""
 
 from __future__ import annotations
 
@@ -18,19 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from . import _tree
 from ._leaves import inner_params, updates_for_inner, updates_for_params
 from ._records import avals_key
 from ._sharding import mirror_param_sharding
 from ._static import ConfigKey, Configured, config_key
 from ._transformations import with_extra_args
-from ._tree import (
-    as_weak,
-    check_updates_fit_params,
-    describe_value,
-    is_transformation,
-    is_weak,
-    saturating_increment,
-)
+from ._tree import as_weak, describe_value, is_transformation, is_weak
 
 STATIC, NUMERIC, SCHEDULE, STATEFUL = "static", "numeric", "schedule", "stateful"
 NUMBER_TYPES = (numbers.Number, np.ndarray, np.generic, jax.Array)
@@ -48,16 +38,8 @@ def is_mask_name(name: str) -> bool:
     return name == "mask" or name.endswith("_mask")
 
 
-def _called_as_function(mask: Any) -> bool:
-    """Whether `optax.masked` calls `mask` with the params: every leaf is
-    callable (an Equinox model of bools is callable, but its leaves are not)."""
-    leaves = jax.tree.leaves(jax.tree.map(callable, mask))
-    return bool(leaves) and all(leaves)
-
-
 def _takes_a_float(param: inspect.Parameter) -> bool:
-    """Whether an int given for `param` is a float hyperparameter: its default
-    is a float, or its annotation names `float` but not `int`."""
+    """Whether `param`'s default is a float or its annotation has `float`, not `int`."""
     if isinstance(param.default, float):
         return True
     annotation = param.annotation
@@ -81,11 +63,7 @@ def _wider_hint(hyperparam_dtype: Any) -> str:
 
 
 class Injection(Configured):
-    """One call of a wrapped factory: its arguments, sorted by kind, and the
-    `init` and `update` built from them; equal when built from the same
-    factory and equal arguments. Why a hyperparameter is stored strong and
-    handed weak: docs/inject_hyperparams.md, "Numerics".
-    """
+    """One call of a wrapped factory; equal to one of the same factory and arguments."""
 
     def __init__(
         self,
@@ -97,36 +75,27 @@ class Injection(Configured):
         dtype: Any,
     ):
         self.factory, self.signature, self.dtype = factory, signature, dtype
+        self._name = getattr(factory, "__name__", repr(factory))
         self.arguments = dict(arguments)
         self.passed = {n: v for n, v in arguments.items() if kinds[n] == STATIC}
         self.numeric = {n: v for n, v in arguments.items() if kinds[n] == NUMERIC}
-        self.weak = {
-            n
-            for n, v in self.numeric.items()
-            if type(v) in (int, float, complex) or is_weak(v)
-        }
+        weak = lambda v: type(v) in (int, float, complex) or is_weak(v)
+        self.weak = {n for n, v in self.numeric.items() if weak(v)}
+        wrap = {SCHEDULE: optax.schedules.WrappedSchedule, STATEFUL: lambda s: s}
         self.schedules = {
-            n: v if kinds[n] == STATEFUL else optax.schedules.WrappedSchedule(v)
-            for n, v in arguments.items()
-            if kinds[n] in (SCHEDULE, STATEFUL)
+            n: wrap[kinds[n]](v) for n, v in arguments.items() if kinds[n] in wrap
         }
-        # `_traceable`'s answers by `avals_key` of the params.
         self._traceable_names: dict[tuple, tuple[str, ...]] = {}
         self._key = (
             config_key(factory, dtype, tuple(sorted(static))),
             tuple((n, ConfigKey(v)) for n, v in arguments.items()),
         )
 
-    @property
-    def _name(self) -> str:
-        return getattr(self.factory, "__name__", repr(self.factory))
-
     def _build(
         self, hyperparams: dict[str, Any]
     ) -> optax.GradientTransformationExtraArgs:
-        call = inspect.BoundArguments(self.signature, self.arguments.copy())  # type: ignore[arg-type]
-        call.arguments.update(hyperparams)
-        call.arguments.update(self.passed)
+        arguments = {**self.arguments, **hyperparams, **self.passed}
+        call = inspect.BoundArguments(self.signature, arguments)  # type: ignore[arg-type]
         tx = self.factory(*call.args, **call.kwargs)
         if not is_transformation(tx):
             raise ArgumentError(
@@ -137,26 +106,18 @@ class Injection(Configured):
             )
         return with_extra_args(tx)
 
-    # -- the two forms of a hyperparameter ----------------------------------
-
     def _storage_dtype(self, value: jax.Array, given: Any) -> Any:
-        """`hyperparam_dtype` for a floating value not given as a strong JAX
-        array (which keeps its dtype, as in optax); else `value`'s dtype."""
+        """`hyperparam_dtype` for a floating value but a strong JAX array, as optax."""
         floating = jnp.issubdtype(value.dtype, jnp.floating)
         strong_array = isinstance(given, jax.Array) and not is_weak(given)
-        if self.dtype is not None and floating and not strong_array:
-            return self.dtype
-        return value.dtype
+        cast = self.dtype is not None and floating and not strong_array
+        return self.dtype if cast else value.dtype
 
     def _as_given(self, name: str, given: Any) -> jax.Array:
-        """`given` as an array; an int where the factory takes a float as the
-        float, where that holds it exactly."""
+        """`given` as an array; an int taken as a float as that float, if exact."""
         value = jnp.asarray(given)
-        if (
-            _takes_a_float(self.signature.parameters[name])
-            and jnp.issubdtype(value.dtype, jnp.integer)
-            and value.dtype != jnp.bool_
-        ):
+        integer = jnp.issubdtype(value.dtype, jnp.integer) and value.dtype != jnp.bool_
+        if integer and _takes_a_float(self.signature.parameters[name]):
             as_float = np.asarray(given, jnp.result_type(float))
             if as_float == np.asarray(given):
                 return jnp.asarray(as_float)
@@ -165,47 +126,43 @@ class Injection(Configured):
     def _as_state_value(
         self, name: str, value: Any, dtype: Any, where: str, check: bool = True
     ) -> jax.Array:
-        """`value` as a strong array of `dtype`; refuses a cast to another
-        kind and another shape than the value given (both change it silently)."""
+        """`value` as a strong array of `dtype`; refuses another kind or shape."""
         given = f"the value given to {self._name}: {self.arguments.get(name)!r}"
+        holds = lambda v: f"{where} holds {describe_value(v)}, but {name}"
         try:
             array = jnp.asarray(value)
         except (TypeError, ValueError):  # jax raises ValueError for None
             raise ArgumentError(
-                f"{where} holds {describe_value(value)}, but {name} is a numeric "
-                f"hyperparameter of dtype {dtype} ({given}). Write a number or "
-                "an array."
+                f"{holds(value)} is a numeric hyperparameter of dtype {dtype} "
+                f"({given}). Write a number or an array."
             ) from None
         shape = jnp.shape(self.numeric[name]) if name in self.numeric else ()
         if array.shape != shape:
             raise ArgumentValueError(
-                f"{where} holds {describe_value(array)}, but {name} has shape "
-                f"{shape} ({given}); another shape would broadcast into the "
-                f"updates and the params. Write a value of shape {shape}."
+                f"{holds(array)} has shape {shape} ({given}); another shape would "
+                f"broadcast into the updates and the params. Write a value of shape "
+                f"{shape}."
             )
         if array.dtype == jnp.bool_ and dtype != jnp.bool_:
             raise ArgumentError(
-                f"{where} holds {describe_value(array)}, but {name} is a "
-                f"hyperparameter of dtype {dtype} ({given}); a bool would be "
-                "taken as 0 or 1. Write a number."
+                f"{holds(array)} is a hyperparameter of dtype {dtype} ({given}); a "
+                "bool would be taken as 0 or 1. Write a number."
             )
         if array.dtype != dtype and not jnp.can_cast(
             array.dtype, dtype, casting="same_kind"
         ):
             raise ArgumentError(
-                f"{where} holds {describe_value(array)}, but {name} is a "
-                f"hyperparameter of dtype {dtype} (fixed by the value given to "
-                f"{self._name}: {self.arguments[name]!r}); casting would change "
-                f"the value. Write a value of dtype {dtype}, or build the "
-                f"optimizer with {name} given as a value of the dtype you need."
+                f"{holds(array)} is a hyperparameter of dtype {dtype} (fixed by "
+                f"{given}); casting would change the value. Write a value of dtype "
+                f"{dtype}, or build the optimizer with {name} given as a value of the "
+                "dtype you need."
             )
         if check:
             self._check_kept(name, value, dtype, where)
         return jnp.asarray(array, dtype)  # strong: no weak type to lose
 
     def _check_kept(self, name: str, value: Any, dtype: Any, where: str) -> None:
-        """Refuses a known floating value that `dtype` rounds to 0 (from
-        nonzero), 1 (from within (0, 1)) or infinity."""
+        """Refuses a known value `dtype` rounds to 0, 1 (from below) or infinity."""
         floating = jnp.issubdtype(dtype, jnp.floating)
         if isinstance(value, jax.core.Tracer) or not floating:
             return
@@ -219,13 +176,12 @@ class Injection(Configured):
         ):
             if np.any(lost):
                 raise ArgumentValueError(
-                    f"{where} holds {value!r}, which {jnp.dtype(dtype)} "
-                    f"rounds to {becomes}: stored so, it would change what "
-                    f"{self._name} computes (a decay rate of 1 averages "
-                    f"nothing, an eps of 0 divides by 0). "
-                    f"{_wider_hint(self.dtype)} {name} in "
-                    f"static_args (handed to {self._name} as given), or give "
-                    f"it a value that {jnp.dtype(dtype)} holds."
+                    f"{where} holds {value!r}, which {jnp.dtype(dtype)} rounds to "
+                    f"{becomes}: stored so, it would change what {self._name} "
+                    "computes (a decay rate of 1 averages nothing, an eps of 0 "
+                    f"divides by 0). {_wider_hint(self.dtype)} {name} in static_args "
+                    f"(handed to {self._name} as given), or give it a value that "
+                    f"{jnp.dtype(dtype)} holds."
                 )
 
     def _as_factory_argument(self, stored: jax.Array, weak: bool) -> jax.Array:
@@ -235,22 +191,22 @@ class Injection(Configured):
 
     def _schedule_value(self, name: str, schedule: Any, state: Any, **extra):
         value = schedule(state, **extra)
+        head = f"The schedule given as {name} returned"
         if isinstance(value, str) or not isinstance(value, NUMBER_TYPES):
             raise ArgumentError(
-                f"The schedule given as {name} returned {describe_value(value)}; "
-                "a schedule must return a scalar number (a Python number or a "
-                "0-d array) for each step count."
+                f"{head} {describe_value(value)}; a schedule must return a scalar "
+                "number (a Python number or a 0-d array) for each step count."
             )
         array = jnp.asarray(value)
         if array.shape != ():
             raise ArgumentValueError(
-                f"The schedule given as {name} returned {describe_value(array)}; "
-                "a schedule must return a scalar (shape ()) for each step count."
+                f"{head} {describe_value(array)}; a schedule must return a scalar "
+                "(shape ()) for each step count."
             )
         if not jnp.issubdtype(array.dtype, jnp.number):
             raise ArgumentError(
-                f"The schedule given as {name} returned {describe_value(array)}; "
-                "a schedule must return a number (int, float or complex)."
+                f"{head} {describe_value(array)}; a schedule must return a number "
+                "(int, float or complex)."
             )
         dtype = self._storage_dtype(array, value)
         return self._as_state_value(name, array, dtype, name, check=False)
@@ -262,119 +218,102 @@ class Injection(Configured):
         where: str,
         **extra_args: Any,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The stored and the handed form of every injected hyperparameter
-        (of the numeric ones, those named in `numeric`)."""
+        """The stored and handed forms of the schedules and of `numeric`'s names."""
         stored, handed = {}, {}
-        for n, given in self.numeric.items():
-            if n not in numeric:
-                continue
+        for n in [m for m in self.numeric if m in numeric]:
+            given = self.numeric[n]
             dtype = self._storage_dtype(self._as_given(n, given), given)
             stored[n] = self._as_state_value(n, numeric[n], dtype, f"{where}[{n!r}]")
             handed[n] = self._as_factory_argument(stored[n], n in self.weak)
         for n, schedule in self.schedules.items():
-            stored[n] = self._schedule_value(
-                n, schedule, schedule_states[n], **extra_args
-            )
-            # Always weak: the bare factory casts a schedule's value to each
-            # update's dtype (`optax.scale_by_schedule`), as a weak value is.
+            state = schedule_states[n]
+            stored[n] = self._schedule_value(n, schedule, state, **extra_args)
+            # Weak: the bare factory casts it to each update's dtype (scale_by_schedule)
             handed[n] = self._as_factory_argument(stored[n], weak=True)
         return stored, handed
 
     def _traceable(self, params: Any) -> dict[str, Any]:
-        """Rule 8: the numeric hyperparameters the factory takes traced, by an
-        abstract trial of its init and update; cached by the params' avals."""
+        """Rule 8: the numbers an abstract trial shows the factory takes traced."""
+
+        def run(numeric):
+            _, handed = self._hyperparams(numeric, schedule_states, "arguments")
+            tx = self._build(handed)
+            state = tx.init(params)
+            return tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
 
         def trial(names: Iterable[str]) -> bool:
-            def run(numeric):
-                _, handed = self._hyperparams(numeric, schedule_states, "arguments")
-                tx = self._build(handed)
-                state = tx.init(params)
-                return tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
-
             try:
                 jax.eval_shape(run, {n: self.numeric[n] for n in names})
-            except jax.errors.ConcretizationTypeError:
-                return False
             except (ArgumentError, ArgumentValueError):
                 raise  # our own report on a bad argument
-            except Exception:  # noqa: BLE001 - e.g. an update that needs `value=`:
-                return True  # not ours to judge; the real call will say
+            except Exception as error:  # noqa: BLE001 - not ours to judge (e.g. an
+                # update that needs `value=`): the real call will say
+                return not isinstance(error, jax.errors.ConcretizationTypeError)
             return True
 
         key = avals_key(params)
         names = None if key is None else self._traceable_names.get(key)
         if names is None:
             schedule_states = {n: s.init() for n, s in self.schedules.items()}
-            if not self.numeric or trial(self.numeric) or not trial(()):
-                # All pass; or the trace fails with every number known (a
-                # schedule that branches in Python): then no number is the
-                # cause, and none is kept static.
-                names = tuple(self.numeric)
-            else:
-                names = tuple(n for n in self.numeric if trial([n]))
+            # All pass; or all fail with every number known (a schedule that
+            # branches in Python), so that no number is the cause: none static.
+            every = not self.numeric or trial(self.numeric) or not trial(())
+            names = tuple(n for n in self.numeric if every or trial([n]))
             if key is not None:
                 self._traceable_names[key] = names
         return {n: self.numeric[n] for n in names}
 
     def _check_masks(self, params: Any) -> None:
-        """A mask argument must fit the params (`optax.masked` would fail deep
-        in the factory's init, naming neither)."""
-        if not jax.tree.leaves(params):
-            # Nothing to mask; `optax.tree_utils.tree_map_params` calls
-            # `init` on a tree with no leaves, which `optax.masked` accepts.
-            return
+        """A mask must fit the params (`optax.masked` would fail deep in init)."""
+        if not jax.tree.leaves(params):  # as `optax.tree_utils.tree_map_params` calls
+            return  # init: nothing to mask, and `optax.masked` accepts that
         for name, mask in self.passed.items():
             if not is_mask_name(name) or mask is None:
                 continue
-            tree = mask(params) if _called_as_function(mask) else mask
+            # optax.masked calls it if every leaf is (an Equinox model's are not)
+            called = jax.tree.leaves(jax.tree.map(callable, mask))
+            tree = mask(params) if called and all(called) else mask
             try:
                 jax.tree.map(lambda m, *_: m, tree, params)
             except (ValueError, TypeError) as error:
                 raise ArgumentValueError(
-                    f"{name} does not match the params given to init: the mask "
-                    f"has the structure {jax.tree.structure(tree)}, the params "
-                    f"{jax.tree.structure(params)} ({error}). {name} must be a "
-                    "tree of bools with the structure of the params (or a prefix "
-                    "of it), or a function params -> such a tree."
+                    f"{name} does not match the params given to init: the mask has "
+                    f"the structure {jax.tree.structure(tree)}, the params "
+                    f"{jax.tree.structure(params)} ({error}). {name} must be a tree of "
+                    "bools with the structure of the params (or a prefix of it), or a "
+                    "function params -> such a tree."
                 ) from None
 
     def _check_names(self, hyperparams: Any, params: Any) -> None:
-        """Refuses a name written into `state.hyperparams` that is not injected
-        (optax ignores it silently), or a number rule 8 keeps static."""
+        """Refuses a name in `state.hyperparams` not injected (optax ignores it)."""
         unknown = sorted(set(hyperparams) - set(self.numeric) - set(self.schedules))
         written = set(hyperparams) & set(self.numeric)
         untraceable = written - set(self._traceable(params)) if written else set()
-        written_untraceable = sorted(untraceable)
-        if not (unknown or written_untraceable):
+        if not (unknown or untraceable):
             return
-        injected = (set(self.numeric) - untraceable) | set(self.schedules)
-        if unknown and injected - set(hyperparams):
+        numeric = sorted(set(self.numeric) - untraceable)
+        injected = sorted({*numeric, *self.schedules})
+        if unknown and set(injected) - set(hyperparams):
             raise TypeError(
-                f"inject_hyperparams({self._name}).update's `state` was not "
-                f"built by this optimizer: its hyperparams are "
-                f"{sorted(hyperparams)}, where this optimizer injects "
-                f"{sorted(injected)}. Pass the state that this optimizer's "
-                "init returned (not one built by another optimizer)."
+                f"inject_hyperparams({self._name}).update's `state` was not built by "
+                f"this optimizer: its hyperparams are {sorted(hyperparams)}, where "
+                f"this optimizer injects {injected}. Pass the state that this "
+                "optimizer's init returned (not one built by another optimizer)."
             )
-        static = sorted(set(self.passed) & set(unknown))
+        notes, branched = [], sorted(untraceable)
+        if static := sorted(set(self.passed) & set(unknown)):
+            notes.append(f"; {static} are passed to the factory unchanged (static)")
+        if branched:
+            notes.append(
+                f"; {branched} are numbers the factory branches on in Python, passed "
+                "through unchanged"
+            )
         raise KeyError(
-            f"state.hyperparams holds {unknown or written_untraceable}, which "
-            f"{self._name} does not take as an injected hyperparameter: the "
-            f"injected ones are {sorted(set(self.numeric) - untraceable)} "
-            f"and the schedules {sorted(self.schedules)}"
-            + (
-                f"; {static} are passed to the factory unchanged (static)"
-                if static
-                else ""
-            )
-            + (
-                f"; {written_untraceable} are numbers the factory branches on "
-                "in Python, passed through unchanged"
-                if written_untraceable
-                else ""
-            )
-            + ". A value written there would be ignored. Give the value when "
-            "building the optimizer instead."
+            f"state.hyperparams holds {unknown or branched}, which {self._name} "
+            f"does not take as an injected hyperparameter: the injected ones are "
+            f"{numeric} and the schedules {sorted(self.schedules)}{''.join(notes)}. A "
+            "value written there would be ignored. Give the value when building the "
+            "optimizer instead."
         )
 
     def init(self, params: Any) -> optax.InjectStatefulHyperparamsState:
@@ -384,11 +323,9 @@ class Injection(Configured):
         stored, handed = self._hyperparams(
             self._traceable(params), schedule_states, "arguments"
         )
+        inner_state = mirror_param_sharding(self._build(handed).init(params), params)
         return optax.InjectStatefulHyperparamsState(
-            count=jnp.zeros((), jnp.int32),
-            hyperparams=stored,
-            hyperparams_states=schedule_states,
-            inner_state=mirror_param_sharding(self._build(handed).init(params), params),
+            jnp.zeros((), jnp.int32), stored, schedule_states, inner_state
         )
 
     def update(
@@ -400,36 +337,27 @@ class Injection(Configured):
     ) -> tuple[Any, optax.InjectStatefulHyperparamsState]:
         if not isinstance(state, optax.InjectStatefulHyperparamsState):
             raise TypeError(
-                f"state must be the optax.InjectStatefulHyperparamsState "
-                f"returned by this optimizer's init or update; got "
-                f"{describe_value(state)}."
+                f"state must be the optax.InjectStatefulHyperparamsState returned by "
+                f"this optimizer's init or update; got {describe_value(state)}."
             )
-        check_updates_fit_params(
-            updates, params, f"inject_hyperparams({self._name}).update"
-        )
+        where = f"inject_hyperparams({self._name}).update"
+        _tree.check_updates_fit_params(updates, params, where)
         given_params = None if params is None else inner_params(params)
         filled = updates_for_inner(updates, params)
-        self._check_names(
-            state.hyperparams, filled if given_params is None else given_params
-        )
+        self._check_names(state.hyperparams, filled if params is None else given_params)
+        schedule_states = state.hyperparams_states
         stored, handed = self._hyperparams(
-            state.hyperparams,
-            state.hyperparams_states,
-            "state.hyperparams",
-            **extra_args,
+            state.hyperparams, schedule_states, "state.hyperparams", **extra_args
         )
-        schedule_states = {
-            n: s.update(state.hyperparams_states[n], **extra_args)
+        next_states = {
+            n: s.update(schedule_states[n], **extra_args)
             for n, s in self.schedules.items()
         }
         new_updates, inner_state = self._build(handed).update(
             filled, state.inner_state, given_params, **extra_args
         )
-        return updates_for_params(
-            updates, new_updates, params
-        ), optax.InjectStatefulHyperparamsState(
-            count=saturating_increment(state.count).astype(jnp.int32),
-            hyperparams=stored,
-            hyperparams_states=schedule_states,
-            inner_state=inner_state,
+        count = _tree.saturating_increment(state.count).astype(jnp.int32)
+        new_state = optax.InjectStatefulHyperparamsState(
+            count, stored, next_states, inner_state
         )
+        return updates_for_params(updates, new_updates, params), new_state
