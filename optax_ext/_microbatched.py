@@ -1,7 +1,5 @@
 """`microbatched`: gradient accumulation inside one compiled step, and the
-checks of its arguments; the loop is `_microbatched_loop`'s, where it runs
-and the reduction across devices `_microbatched_devices`'.
-"""
+checks of its arguments and calls."""
 
 from __future__ import annotations
 
@@ -21,39 +19,34 @@ from ._microbatched_loop import LoopSettings, is_gradient_mark
 from ._nnx_graph import merging, split_graph_nodes
 from ._tree import as_index, describe_value
 
+_POSITION = ("non-negative", "a position in grad_fn's arguments", TypeError)
+_COUNT = ("positive", "how many micro-batches the batch is split into", ValueError)
 
-def _check_num_microbatches(num_microbatches: Any) -> int:
-    k = as_index(num_microbatches)
-    if k is not None and k >= 1:
-        return k
-    raise ValueError(
-        "num_microbatches must be a positive int (how many micro-batches the "
-        f"batch is split into), got {num_microbatches!r} of type "
-        f"{type(num_microbatches).__name__}."
+
+def _int(value: Any, name: str, kind: tuple = _POSITION) -> int:
+    """`value` as an int of `kind`: a position (>= 0) or a count (>= 1)."""
+    sign, what, error = kind
+    i = as_index(value)
+    if i is not None and i >= (kind is _COUNT):
+        return i
+    raise error(
+        f"{name} must be a {sign} int ({what}), got {value!r} of type "
+        f"{type(value).__name__}."
     )
 
 
 def _check_argnums(
     batch_argnums: Any, key_argnum: Any
 ) -> tuple[tuple[int, ...], int | None]:
-    def index(value: Any, name: str) -> int:
-        i = as_index(value)
-        if i is not None and i >= 0:
-            return i
-        raise TypeError(
-            f"{name} must be a non-negative int (a position in grad_fn's "
-            f"arguments), got {value!r} of type {type(value).__name__}."
-        )
-
     if isinstance(batch_argnums, Sequence) and not isinstance(batch_argnums, str):
         if not batch_argnums:
             raise ValueError("batch_argnums must name at least one argument, got ().")
-        argnums = tuple(index(a, "batch_argnums") for a in batch_argnums)
+        argnums = tuple(_int(a, "batch_argnums") for a in batch_argnums)
     else:
-        argnums = (index(batch_argnums, "batch_argnums"),)
+        argnums = (_int(batch_argnums, "batch_argnums"),)
     if len(set(argnums)) != len(argnums):
         raise ValueError(f"batch_argnums has repeated positions: {batch_argnums!r}.")
-    key = None if key_argnum is None else index(key_argnum, "key_argnum")
+    key = None if key_argnum is None else _int(key_argnum, "key_argnum")
     if key is not None and key in argnums:
         raise ValueError(
             f"key_argnum={key} is also in batch_argnums={argnums}: the key is "
@@ -64,30 +57,21 @@ def _check_argnums(
 
 def _raw_key_impl() -> str:
     """The default PRNG implementation, which a raw uint32 key is read with."""
-    # `jax.config`'s type does not declare its flags.
     return getattr(jax.config, "jax_default_prng_impl")  # noqa: B009
 
 
 def _is_single_prng_key(x: Any) -> bool:
-    """Whether `x` is one PRNG key (typed of shape (), or raw of the default
-    implementation's key shape), not a batch of keys."""
+    """Whether `x` is one PRNG key (typed, or raw of the default PRNG), not a batch."""
     if is_typed_key(x):
         return jnp.ndim(x) == 0
     if getattr(x, "dtype", None) != jnp.uint32:
         return False
-    # A fresh callable each time: `eval_shape` caches traces by function,
-    # and the default implementation is not part of that cache's key.
     wrap = functools.partial(jax.random.wrap_key_data, impl=_raw_key_impl())
     try:
         key = jax.eval_shape(wrap, jax.ShapeDtypeStruct(jnp.shape(x), jnp.uint32))
     except TypeError:  # key data of another implementation's shape
         return False
     return key.shape == ()
-
-
-def _raw_key_shape() -> tuple[int, ...]:
-    impl = _raw_key_impl()
-    return jax.eval_shape(functools.partial(jax.random.PRNGKey, impl=impl), 0).shape
 
 
 def _batch_size(args: tuple, argnums: tuple[int, ...], k: int) -> int:
@@ -147,14 +131,9 @@ def _check_num_real(value: Any, k: int) -> Any:
     if value is None:
         return None
     dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        dtype = None if isinstance(value, bool) else jnp.result_type(value)
-    if (
-        dtype is None
-        or not jnp.issubdtype(dtype, jnp.integer)
-        or jnp.shape(value) != ()
-        or isinstance(value, bool)
-    ):
+    if dtype is None and not isinstance(value, bool):
+        dtype = jnp.result_type(value)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or jnp.shape(value):
         raise TypeError(
             "num_real_microbatches must be None or an int scalar (how many "
             "of the micro-batches hold real data), got "
@@ -179,7 +158,7 @@ def _checked(given: LoopSettings) -> LoopSettings:
             f"grad_fn must be a function (e.g. jax.grad(loss)), got "
             f"{given.grad_fn!r} of type {type(given.grad_fn).__name__}."
         )
-    k = _check_num_microbatches(given.num_microbatches)
+    k = _int(given.num_microbatches, "num_microbatches", _COUNT)
     argnums, key_argnum = _check_argnums(given.batch_argnums, given.key_argnum)
     if given.weight_fn is not None and not callable(given.weight_fn):
         raise TypeError(
@@ -219,56 +198,39 @@ def microbatched(
     num_real_microbatches: int | jax.Array | None = None,
 ) -> Callable:
     """Computes `grad_fn` on a batch one micro-batch at a time, in one
-    compiled loop, and returns its mean: the in-step form of gradient
-    accumulation.
+    compiled loop: the in-step form of gradient accumulation.
 
     `microbatched(grad_fn, k)(*args)` returns what `grad_fn(*args)` returns
-    on the whole batch, with the activation memory of `1/k` of it. The batch
-    (a pytree of arrays with a leading batch axis) is cut into `k`
-    micro-batches, micro-batch `j` the rows `j, j + k, j + 2k, ...`;
-    `grad_fn` runs on each inside a `lax.fori_loop`. The outputs are combined
-    leaf by leaf: floating leaves averaged (the whole batch's value when the
-    loss is a **mean over the batch's rows**), integer leaves summed, bool
-    leaves `any`-ed, other leaves returned as `grad_fn` gives them. Keyword
-    arguments are passed to every call unchanged. Details:
-    docs/multi_steps.md, "What `microbatched` returns" and "How
-    `microbatched` splits the batch".
-
-    **Numerics:** floating outputs are kept as `MultiSteps`' running mean
-    (the same bits on the same micro-batches) in the least dtype holding
-    both theirs and `accumulator_dtype`; they come back in their own dtypes.
-
-    **Sharding:** with the batch sharded over a data axis (read from its
-    `Explicit` type, or named by `axis_name`), each device accumulates its
-    rows and the outputs are reduced across devices once, after the loop.
-    See docs/data_parallel.md, "`microbatched` on a sharded batch".
+    on the whole batch, with the activation memory of `1/k` of it. Micro-batch
+    `j` is the rows `j, j + k, j + 2k, ...`. Outputs are combined leaf by
+    leaf: floating leaves averaged (the whole batch's value when the loss is
+    a **mean over the batch's rows**) as `MultiSteps`' running mean, integer
+    leaves summed, bool leaves `any`-ed, others returned as `grad_fn` gives
+    them. On a sharded batch each device accumulates its rows, reduced across
+    devices once after the loop. Keyword arguments are passed on unchanged.
+    Details: docs/multi_steps.md, "What `microbatched` returns";
+    docs/data_parallel.md, "`microbatched` on a sharded batch".
 
     **Arguments:**
 
-    - `grad_fn`: the function to accumulate, e.g. `jax.grad(loss)` or
-      `eqx.filter_value_and_grad(loss, has_aux=True)`. Its loss must be a
-      mean over the batch's rows.
+    - `grad_fn`: the function to accumulate, e.g. `jax.grad(loss)`.
     - `num_microbatches`: a positive int `k` dividing the batch size.
-    - `batch_argnums`: the position (or positions) of the batch in
-      `grad_fn`'s arguments; every leaf has the same leading size.
-    - `key_argnum`: the position of a PRNG key, or None. Micro-batch `j`
+    - `batch_argnums`: the position(s) of the batch in `grad_fn`'s
+      arguments, pytrees of arrays with one leading size.
+    - `key_argnum`: the position of a PRNG key, or None; micro-batch `j`
       gets `jax.random.split(key, k)[j]`.
-    - `accumulator_dtype`: the least dtype floating outputs accumulate in,
-      as in `MultiSteps`; `None` accumulates each in its own dtype.
-    - `axis_name`: the mesh axis (or tuple of axes) the batch is sharded
-      over, where it is not in the batch's type.
-    - `weight_fn`: None, or a function called like `grad_fn` on one
-      micro-batch, returning its weight, a real scalar >= 0. Floating
+    - `accumulator_dtype`: the least dtype floating outputs accumulate in
+      (`None`: their own); they come back in their own dtypes.
+    - `axis_name`: the mesh axis (or axes) the batch is sharded over, where
+      the batch's type does not say.
+    - `weight_fn`: None, or a function called like `grad_fn` on a
+      micro-batch, returning its weight (a real scalar >= 0); floating
       outputs are then `sum_j w_j x_j / sum_j w_j`.
-    - `use_grad_mean`: `False` sums the floating outputs over the
-      micro-batches instead (`sum_j w_j x_j` with `weight_fn`: the
-      token-summed loss and its gradient when `x_j` is micro-batch `j`'s
-      token mean and `w_j` its token count), averaged over the devices
-      without `weight_fn`, as `MultiSteps(use_grad_mean=False)`.
+    - `use_grad_mean`: `False` sums the floating outputs instead
+      (`sum_j w_j x_j` with `weight_fn`; averaged over devices without).
     - `per_example`: `False`, `True`, `"gradient"`, or a pytree prefix of
-      `grad_fn`'s output with such leaves. Marked outputs have a row per
-      example and come back whole; `"gradient"` ones (a gradient with
-      respect to the batch) scaled by their micro-batch's share of it.
+      the output with such leaves: marked outputs have a row per example
+      and come back whole, `"gradient"` ones scaled by their share.
     - `num_real_microbatches`: None, or an int `n` (traced too): only the
       first `n` micro-batches run, and means are over them.
 
@@ -284,27 +246,16 @@ def microbatched(
     loss, grads = step_grads(model, batch)  # as grad_fn(model, batch)
     ```
     """
-    settings = _checked(
-        LoopSettings(
-            grad_fn,
-            num_microbatches,
-            batch_argnums,
-            key_argnum,
-            accumulator_dtype,
-            weight_fn,
-            per_example,
-            num_real_microbatches,
-            use_grad_mean,
-        )
-    )
+    given = (grad_fn, num_microbatches, batch_argnums, key_argnum, accumulator_dtype)
+    rest = (weight_fn, per_example, num_real_microbatches, use_grad_mean)
+    settings = _checked(LoopSettings(*given, *rest))
 
     def wrapped(*args: Any, **kwargs: Any) -> PyTree:
         _check_call(settings, args)
         run, args, kwargs = _split_modules(settings, args, kwargs)
         return run_on_devices(run, axis_name, args, kwargs)
 
-    # Name and docstring only: `functools.wraps` would also set `__wrapped__`,
-    # which `eqx.filter_jit` takes for a JAX transform stored on a module.
+    # Not `functools.wraps`: `eqx.filter_jit` takes `__wrapped__` for a transform.
     for attr in ("__name__", "__qualname__", "__doc__"):
         if hasattr(grad_fn, attr):
             setattr(wrapped, attr, getattr(grad_fn, attr))
@@ -325,12 +276,13 @@ def _check_call(settings: LoopSettings, args: tuple) -> None:
         )
     _batch_size(args, argnums, settings.num_microbatches)
     if key_argnum is not None and not _is_single_prng_key(args[key_argnum]):
-        key = args[key_argnum]
+        key, impl = args[key_argnum], _raw_key_impl()
+        shape = jax.eval_shape(functools.partial(jax.random.PRNGKey, impl=impl), 0)
         raise TypeError(
             f"argument {key_argnum} (key_argnum) must be one PRNG key: a typed "
             "key of shape () (jax.random.key(...)), or a raw key of the "
-            f"default implementation {_raw_key_impl()!r} (jax.random.PRNGKey"
-            f"(...), uint32 of shape {_raw_key_shape()}); got "
+            f"default implementation {impl!r} (jax.random.PRNGKey"
+            f"(...), uint32 of shape {shape.shape}); got "
             f"{type(key).__name__} of shape {jnp.shape(key)} and dtype "
             f"{getattr(key, 'dtype', None)}."
         )
@@ -339,18 +291,11 @@ def _check_call(settings: LoopSettings, args: tuple) -> None:
 def _split_modules(
     settings: LoopSettings, args: tuple, kwargs: dict
 ) -> tuple[LoopSettings, tuple, dict]:
-    """NNX modules among the non-batch arguments split into pytrees, and the
-    functions made to merge them back (`_nnx_graph`)."""
+    """NNX modules among the other arguments split, and the functions merging them."""
     keep = set(settings.batch_argnums) | {settings.key_argnum}
     args, kwargs, found = split_graph_nodes(args, kwargs, keep)
     if not found:
         return settings, args, kwargs
-    weight_fn = settings.weight_fn
-    return (
-        settings._replace(
-            grad_fn=merging(settings.grad_fn),
-            weight_fn=None if weight_fn is None else merging(weight_fn),
-        ),
-        args,
-        kwargs,
-    )
+    w = settings.weight_fn
+    grad_fn, weight_fn = merging(settings.grad_fn), None if w is None else merging(w)
+    return settings._replace(grad_fn=grad_fn, weight_fn=weight_fn), args, kwargs

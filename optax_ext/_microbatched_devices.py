@@ -50,32 +50,17 @@ def _is_manual(axis_name: Hashable) -> bool:
 
 
 def _batch_spec(args: tuple, argnums: tuple[int, ...]) -> tuple[Any, Any]:
-    """The mesh axes the batch's leading dimension is sharded over in its
-    type, and the mesh; Nones otherwise."""
-    specs = set()
-    mesh = None
+    """The mesh axes the batch's type splits its rows over, and the mesh; or Nones."""
+    specs, mesh = set(), None
     for i in argnums:
         for x in jax.tree.leaves(args[i]):
             sharding = typed_sharding(x)
-            if sharding is None:
-                specs.add(None)
-                continue
-            specs.add(sharding.spec[0])
-            mesh = sharding.mesh
+            specs.add(None if sharding is None else sharding.spec[0])
+            mesh = mesh if sharding is None else sharding.mesh
     if len(specs) != 1:
         return None, None
     (spec,) = specs
     return (None, None) if spec is None else (spec, mesh)
-
-
-def _shards_over_batch_axes(
-    args: tuple, kwargs: dict, argnums: tuple[int, ...], spec: Any
-) -> bool:
-    """Whether an argument other than the batch is split over the batch's
-    mesh axes in its type (FSDP params: the loop then runs under the
-    partitioner)."""
-    others = [a for i, a in enumerate(args) if i not in argnums]
-    return shards_over((others, kwargs), spec)
 
 
 def run_on_devices(
@@ -104,9 +89,8 @@ def run_on_devices(
                 f"here has axes {mesh.axis_names}."
             )
         spec = axis_name
-    if spec is None or _shards_over_batch_axes(
-        args, kwargs, settings.batch_argnums, spec
-    ):
+    others = [a for i, a in enumerate(args) if i not in settings.batch_argnums]
+    if spec is None or shards_over((others, kwargs), spec):  # FSDP params
         regather = jax.device_count() > 1
         return _run(settings, None, args, kwargs, regather=regather)[0]
     return _in_shard_map(settings, mesh, spec, args, kwargs)
@@ -120,16 +104,15 @@ def _run(
     *,
     regather: bool = False,
 ) -> tuple[PyTree, list[bool]]:
-    """The output after the loop and reduction, and which of its combined
-    leaves are per-example rows."""
+    """The output after the loop and reduction, and which combined leaves are rows."""
     looped = accumulate(settings, axis_name, args, kwargs, regather=regather)
     values, total = _across_devices(looped, axis_name)
     results = []
     for kind, a, s in zip(looped.kinds, values, looped.structs, strict=True):
         if isinstance(kind, GradientRows):
             a = _batch_share(a, kind, looped, total, axis_name)
-        if isinstance(kind, Rows):
-            a = _unsplit(a)
+        if isinstance(kind, Rows):  # `(rows, k, ...)` as the batch's rows
+            a = a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
         results.append(cast_like(a, s))
     tree = jax.tree_util.tree_unflatten(looped.treedef, results)
     rows = [isinstance(kind, Rows) for kind in looped.kinds]
@@ -144,8 +127,7 @@ def _batch_share(
     axis_name: Hashable | None,
 ) -> jax.Array:
     """A gradient with respect to the batch, `(rows, k, ...)`, each
-    micro-batch's rows scaled by its share of the batch (`1 / (n d)`,
-    `w_j / W`; summed `1 / d`, `w_j`)."""
+    micro-batch's rows scaled by its share of the batch."""
     wide = acc.astype(work_dtype(acc.dtype))
     by_microbatch = (1, acc.shape[1]) + (1,) * (acc.ndim - 2)
     devices = 1 if axis_name is None else lax.axis_size(axis_name)
@@ -160,11 +142,6 @@ def _batch_share(
     share = w.reshape(by_microbatch)
     scaled = jnp.where(share > 0, wide * share, jnp.zeros_like(wide))
     return scaled.astype(acc.dtype)
-
-
-def _unsplit(acc: jax.Array) -> jax.Array:
-    """A per-example output's carry `(rows, k, ...)` as the batch's rows."""
-    return acc.reshape(acc.shape[0] * acc.shape[1], *acc.shape[2:])
 
 
 def _across_devices(
@@ -190,8 +167,6 @@ def _in_shard_map(
     batch = settings.batch_argnums
     in_specs = tuple(P(spec) if i in batch else P() for i in range(len(dyn_args)))
     out_static, out_def, per_example = [], [], []
-
-    # A traced count enters as an operand: `shard_map` cannot close over it.
     count = settings.num_real_microbatches
     traced_count = isinstance(count, jax.Array)
 

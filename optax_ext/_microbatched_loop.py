@@ -81,12 +81,8 @@ def pcast_varying(tree: PyTree, axis_name: Hashable) -> PyTree:
     def cast(x: Any) -> Any:
         if not isinstance(x, jax.Array):
             return x
-        axes = varying_axes(x)
-        missing = tuple(
-            n
-            for n in manual_axes(axis_names(axis_name))
-            if axes is None or n not in axes
-        )
+        axes, names = varying_axes(x), manual_axes(axis_names(axis_name))
+        missing = tuple(n for n in names if axes is None or n not in axes)
         if axes is None or not missing:
             return x
         return cast_varying(x, missing)
@@ -100,13 +96,6 @@ def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
     if want is None or have is None or want <= have:
         return value
     return cast_varying(value, tuple(want - have))
-
-
-def _zero(kind: Any, struct: Any, dtype: Any, k: int) -> jax.Array:
-    """A leaf's first carry: zeros, sharded as its output's type says."""
-    if isinstance(kind, Rows):
-        return _rows_accumulator(struct, k, dtype)
-    return zeros_like_struct(struct, dtype)
 
 
 def _check_not_summed(outs: PyTree, kinds: list, acc: list, axis_name: Any) -> None:
@@ -144,8 +133,7 @@ def _check_weight(weight: Any) -> jax.Array:
     return jnp.asarray(weight)
 
 
-GRADIENT = "gradient"
-"""The `per_example` mark of a gradient with respect to the batch."""
+GRADIENT = "gradient"  # the `per_example` mark of a gradient w.r.t. the batch
 
 
 def is_gradient_mark(flag: Any) -> bool:
@@ -232,9 +220,10 @@ def _plan_outputs(
     return kinds, acc_dtypes, [s for _, s in flat_shapes], treedef, static
 
 
-def _rows_accumulator(struct: Any, k: int, dtype: Any) -> jax.Array:
-    """Zeros `(rows, k, ...)` for a per-example output, its rows split as
-    the output's type says."""
+def _zero(kind: Any, struct: Any, dtype: Any, k: int) -> jax.Array:
+    """A leaf's first carry: zeros (`(rows, k, ...)` for rows), typed as its output."""
+    if not isinstance(kind, Rows):
+        return zeros_like_struct(struct, dtype)
     shape = (struct.shape[0], k, *struct.shape[1:])
     if not sharded_type(struct):
         return jnp.zeros(shape, dtype)
@@ -264,8 +253,7 @@ def _loop_bound(value: Any, k: int) -> Any:
 
 
 def _rows(args: tuple, argnums: tuple, k: int) -> int:
-    """This device's rows of the batch (argument `argnums[0]`); a
-    `ValueError` unless they split into `k` micro-batches."""
+    """This device's rows of the batch; refused unless they split into `k`."""
     size = jnp.shape(jax.tree.leaves(args[argnums[0]])[0])[0]
     if size % k:
         raise ValueError(
@@ -277,44 +265,19 @@ def _rows(args: tuple, argnums: tuple, k: int) -> int:
     return size
 
 
-def _initial_carry(
-    structs: list,
-    acc_dtypes: list,
-    kinds: list,
-    k: int,
-    weights_dtype: Any,
-    axis_name: Hashable | None,
-    weighted: bool,
-) -> tuple[list, jax.Array, jax.Array]:
-    """The loop's first carry: a zero accumulator per output, the running
-    weight and the micro-batches' weights (varying over `axis_name`)."""
-    init = []
-    for s, dtype, kind in zip(structs, acc_dtypes, kinds, strict=True):
-        zero = _zero(kind, s, dtype, k)
-        init.append(zero if axis_name is None else pcast_varying(zero, axis_name))
-    weight_sum = jnp.zeros((), weights_dtype)
-    weights = jnp.zeros((k,), weights_dtype)
-    if axis_name is not None and weighted:
-        weight_sum, weights = pcast_varying((weight_sum, weights), axis_name)
-    return init, weight_sum, weights
-
-
 class _MicroBatches:
     """Micro-batch `j`'s arguments, and `grad_fn` and `weight_fn` on them."""
 
     def __init__(self, settings, axis_name, args, kwargs, regather):
         k, argnums = settings.num_microbatches, settings.batch_argnums
-        key_argnum = settings.key_argnum
         if axis_name is not None:
             args, kwargs = pcast_varying((args, kwargs), axis_name)
         self.rows = _rows(args, argnums, k) // k
-        # Rows (a * k + j) form micro-batch j.
         self.split = {
             i: jax.tree.map(lambda x: split_leading(x, k), args[i]) for i in argnums
         }
-        self.keys = (
-            None if key_argnum is None else jax.random.split(args[key_argnum], k)
-        )
+        key = settings.key_argnum
+        self.keys = None if key is None else jax.random.split(args[key], k)
         self.settings, self.axis_name, self.regather = settings, axis_name, regather
         self.args, self.kwargs = args, kwargs
 
@@ -330,8 +293,7 @@ class _MicroBatches:
             )
         if self.keys is not None and key_argnum is not None:
             key = lax.dynamic_index_in_dim(self.keys, j, keepdims=False)
-            if self.axis_name is not None:
-                # Each device's rows get their own dropout masks.
+            if self.axis_name is not None:  # each device's own dropout masks
                 key = jax.random.fold_in(key, lax.axis_index(self.axis_name))
             args[key_argnum] = key
         return args, kwargs
@@ -393,7 +355,14 @@ def accumulate(
     floating = zip(acc_dtypes, kinds, strict=True)
     dtype = weight_dtype([d for d, kind in floating if isinstance(kind, Accumulator)])
     weighted = settings.weight_fn is not None
-    init = _initial_carry(structs, acc_dtypes, kinds, k, dtype, axis_name, weighted)
+    acc = []
+    for kind, s, d in zip(kinds, structs, acc_dtypes, strict=True):
+        zero = _zero(kind, s, d, k)
+        acc.append(zero if axis_name is None else pcast_varying(zero, axis_name))
+    weight_sum, weights = jnp.zeros((), dtype), jnp.zeros((k,), dtype)
+    if axis_name is not None and weighted:
+        weight_sum, weights = pcast_varying((weight_sum, weights), axis_name)
+    init = acc, weight_sum, weights
     bound = _loop_bound(settings.num_real_microbatches, k)
     acc, weight_sum, weights = lax.fori_loop(
         0, bound, lambda j, carry: _body(micro, kinds, dtype, j, carry), init
