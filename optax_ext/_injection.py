@@ -107,7 +107,7 @@ class Injection(Configured):
         return with_extra_args(tx)
 
     def _storage_dtype(self, value: jax.Array, given: Any) -> Any:
-        """`hyperparam_dtype` for a floating value but a strong JAX array, as optax."""
+        """`hyperparam_dtype` for a floating value unless a strong JAX array's."""
         floating = jnp.issubdtype(value.dtype, jnp.floating)
         strong_array = isinstance(given, jax.Array) and not is_weak(given)
         cast = self.dtype is not None and floating and not strong_array
@@ -228,7 +228,7 @@ class Injection(Configured):
         for n, schedule in self.schedules.items():
             state = schedule_states[n]
             stored[n] = self._schedule_value(n, schedule, state, **extra_args)
-            # Weak: the bare factory casts it to each update's dtype (scale_by_schedule)
+            # Weak, as optax.scale_by_schedule casts it to each update's dtype
             handed[n] = self._as_factory_argument(stored[n], weak=True)
         return stored, handed
 
@@ -265,8 +265,8 @@ class Injection(Configured):
 
     def _check_masks(self, params: Any) -> None:
         """A mask must fit the params (`optax.masked` would fail deep in init)."""
-        if not jax.tree.leaves(params):  # as `optax.tree_utils.tree_map_params` calls
-            return  # init: nothing to mask, and `optax.masked` accepts that
+        if not jax.tree.leaves(params):  # `optax.tree_utils.tree_map_params` calls
+            return  # init on no leaves, which `optax.masked` accepts: nothing to mask
         for name, mask in self.passed.items():
             if not is_mask_name(name) or mask is None:
                 continue
