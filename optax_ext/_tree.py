@@ -18,11 +18,7 @@ def is_transformation(x: Any) -> bool:
     return callable(getattr(x, "init", None)) and callable(getattr(x, "update", None))
 
 
-class _NoUpdate:
-    """Stands for a `None` update where only the containers are compared."""
-
-
-_NO_UPDATE = _NoUpdate()
+_NO_UPDATE = object()  # a `None` update where only the containers are compared
 
 
 def _describe(leaf: Any) -> str:
