@@ -1,5 +1,5 @@
 """The package's code keeps the shape `docs/design.md` describes: modules
-import each other without a circle, no function runs over 80 lines
+import each other without a circle, no function runs over 50 lines
 (docstrings aside), and a gradient's path through `MultiSteps.update` and
 `apply_gradients` goes down the import graph: no call climbs back into a
 module above its caller's, so along each chain of calls every module is
