@@ -266,7 +266,7 @@ class MultiSteps(Configured):
         """`update` (`fused=False`) or `_apply_gradients`."""
         method = "apply_gradients" if fused else "update"
         step = prepare_step(self, grads, state, params, extra_args, method)
-        skip_state, decided = self._decide(step, state, emit)
+        decided = self._decide(step, state, emit)
         form = choose_form(fused, emit, self._devices.per_device)
         args = (decided, step, state.acc_grads, state.inner_opt_state)
         result, inner_state, acc, emitted = run_window(self._window, form, fused, *args)
@@ -276,20 +276,14 @@ class MultiSteps(Configured):
         fields = dict(
             inner_opt_state=strong_as_recorded(inner_state, step.record),
             acc_grads=acc,
-            skip_state=self._devices.add_axis(skip_state),
+            skip_state=self._devices.add_axis(step.skip_state),
         )
         return result, _next_state(state, decided, emitted, self._devices, fields)
 
-    def _decide(self, step: Any, state: State, emit: bool | None) -> tuple:
-        """The skip function's state and this mini-step's decisions."""
+    def _decide(self, step: Any, state: State, emit: bool | None) -> MiniStep:
+        """This mini-step's decisions: its weights, whether it ends its
+        window (at `k` accepted mini-steps, or as `emit` says)."""
         mini_step = jnp.asarray(state.mini_step)
-        skip_fn = self._should_skip_update_fn
-        gradient_step = jnp.asarray(state.gradient_step)
-        should_skip, skip_state = skip_decision(
-            skip_fn, step.grads, gradient_step, step.params, step.weight
-        )
-        if skip_fn is not None:
-            should_skip = self._devices.agree(should_skip)
         stored = weights = None
         if self._weighted:
             acc_weight = cast(WeightedMultiStepsState, state).acc_weight
@@ -297,8 +291,9 @@ class MultiSteps(Configured):
                 self._window.accumulator, acc_weight, step.weight, mini_step
             )
         ends = _window_complete(mini_step, step.k) if emit is None else emit
-        window_end = jnp.logical_and(jnp.logical_not(should_skip), ends)
-        return skip_state, MiniStep(window_end, should_skip, mini_step, weights, stored)
+        skip = step.should_skip
+        window_end = jnp.logical_and(jnp.logical_not(skip), ends)
+        return MiniStep(window_end, skip, mini_step, weights, stored)
 
     def optax_state(
         self, state: optax.MultiStepsState | WeightedMultiStepsState

@@ -128,6 +128,8 @@ class StepInputs(NamedTuple):
     k: jax.Array  # the length of the window this mini-step is in
     record: Any  # what the inner `init` builds, for `strong_as_recorded`
     extra_args: dict[str, Any]  # for the inner optimizer (`weight=` taken out)
+    should_skip: jax.Array  # the skip function's decision, agreed by the devices
+    skip_state: PyTree  # what the skip function returned beside it
 
 
 def prepare_step(
@@ -162,7 +164,10 @@ def prepare_step(
     devices.check_gradients(given, acc)
     gradient_step = jnp.asarray(state.gradient_step)
     k = check_k(opt._every_k_schedule(gradient_step), gradient_step)
-    return StepInputs(grads, params, weight, k, record, extra_args)
+    skip_fn = opt._should_skip_update_fn
+    skip, skip_state = skip_decision(skip_fn, grads, gradient_step, params, weight)
+    skip = skip if skip_fn is None else devices.agree(skip)
+    return StepInputs(grads, params, weight, k, record, extra_args, skip, skip_state)
 
 
 def check_state(
