@@ -301,7 +301,8 @@ class MultiSteps(Configured):
         """`state` as `optax.MultiSteps` holds it at the same step, for it
         to go on from: `acc_grads` zeros after a window's last mini-step
         (nested `MultiSteps` states too). Jittable. A window held open past
-        its length (`emit=False`) is refused where the counters are known.
+        its length (`emit=False`) is refused where the counters are known,
+        and a weighted state always (optax would drop its `acc_weight`).
 
         **Example:**
 
@@ -315,6 +316,13 @@ class MultiSteps(Configured):
         ```
         """
         check_state(state, "optax_state")
+        if self._weighted or isinstance(state, WeightedMultiStepsState):
+            raise TypeError(
+                "MultiSteps.optax_state got a weighted state: optax.MultiSteps "
+                "has no weighted form and would drop its acc_weight (the "
+                "window's running weight) silently. A weighted state goes on "
+                "only in optax_ext.MultiSteps(..., weighted=True)."
+            )
         counters = (state.mini_step, state.gradient_step)
         if not any(isinstance(c, jax.core.Tracer) for c in counters):
             mini, gradient = (int(c) for c in jax.device_get(counters))

@@ -371,6 +371,18 @@ def test_state_of_the_other_kind_is_refused():
         )
 
 
+def test_weighted_state_has_no_optax_form():
+    """`optax_state` refuses a weighted state: optax.MultiSteps would take
+    it, read its fields by name and drop `acc_weight` without a word."""
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), 2, weighted=True)
+    _, state = opt.update(jnp.ones(3), opt.init(jnp.zeros(3)), weight=5.0)
+    with pytest.raises(TypeError, match="would drop its acc_weight"):
+        opt.optax_state(state)
+    plain = optax_ext.MultiSteps(optax.sgd(1.0), 2)
+    with pytest.raises(TypeError, match="would drop its acc_weight"):
+        plain.optax_state(state)
+
+
 def test_weighted_must_be_a_bool():
     with pytest.raises(TypeError, match="weighted must be True or False"):
         optax_ext.MultiSteps(optax.sgd(1.0), 2, weighted="yes")
