@@ -50,6 +50,15 @@ def _arrays_at(tree: PyTree, like: PyTree) -> PyTree:
     )
 
 
+def _kept(keep: jax.Array | None, new: tuple, old: tuple) -> tuple:
+    """`new` (result, state) as it is where `keep` is `None`; else each
+    leaf selected from `new` or `old` by `keep`, the state paired with it."""
+    if keep is None:
+        return new
+    result, state = _keep_or(keep, new, old)
+    return result, (state, keep)
+
+
 class _Inner:
     """The inner optimizer on the window's accumulation, as `update_if`
     calls it; weighted and per device, the state travels with whether the
@@ -79,10 +88,7 @@ class _Inner:
         out, new = self.window.inner.update(
             grads, state, inputs.params, **inputs.extra_args
         )
-        if keep is None:
-            return out, new
-        out = jax.tree.map(lambda u: jnp.where(keep, u, jnp.zeros_like(u)), out)
-        return out, (_keep_or(keep, new, state), keep)
+        return _kept(keep, (out, new), (jax.tree.map(jnp.zeros_like, out), state))
 
     def apply(self, acc: PyTree, state: PyTree, arrays: PyTree) -> tuple[PyTree, Any]:
         grads, keep, state = self._gradients(acc, state)
@@ -91,11 +97,7 @@ class _Inner:
         new_params, new = step_and_apply(
             self.window.fusable_inner, grads, state, params, **inputs.extra_args
         )
-        new_arrays = _arrays_at(new_params, arrays)
-        if keep is None:
-            return new_arrays, new
-        new_arrays = _keep_or(keep, new_arrays, arrays)
-        return new_arrays, (_keep_or(keep, new, state), keep)
+        return _kept(keep, (_arrays_at(new_params, arrays), new), (arrays, state))
 
 
 def run_window(
