@@ -387,15 +387,15 @@ def test_tpu_steps_cost_no_more_cycles_than_optax(inner):
     """XLA:TPU (a v5e, libtpu 0.0.48.1) on the GPT-2-like tree, float32,
     the optimizer step alone (gradients passed in): the cycles its cost
     model estimates (`_compiled.step_cost`). The drop-in's step, which runs
-    the inner optimizer on every step there, costs at most 1.08x
-    optax.MultiSteps' (Adam-W 1.077x, Lion 1.000x); without
-    `xla.fold_apart` 1.33x and 1.25x (the small leaves' moments put in
-    on-chip memory and copied out). Its whole train step is held within
-    1% of optax's: test_train_step_memory.py. The fused mini-step costs
-    within 1% of the fold alone (`emit=False`), its emitting step within
-    5% of optax's step (its conditional writes the params too), and its
-    window of 4 no more than optax's. (`emit=True` with Lion still costs
-    1.25x optax's step: docs/performance.md, "Open cases".)"""
+    the inner optimizer on every step there, costs at most 1.005x
+    optax.MultiSteps' (Adam-W 1.0025x, Lion 1.0026x); without clearing the
+    accumulator where its window ends (`branch.cleared_where_selected`)
+    1.077x and 1.000x: its fold then fuses with AdamW's second moment,
+    which is computed twice. The fused mini-step costs within 1% of the
+    fold alone (`emit=False`), its emitting step within 5% of optax's step
+    (its conditional writes the params too), and its window of 4 no more
+    than optax's. (`emit=True` with Lion still costs 1.25x optax's step:
+    docs/performance.md, "Open cases".)"""
     _skip_unless("tpu")
     cost = {
         form: _compiled("tpu", "gpt2-like", inner, "float32", form)["cost"]
@@ -403,7 +403,7 @@ def test_tpu_steps_cost_no_more_cycles_than_optax(inner):
     }
     optax_ = cost["optax"][0]
     assert cost["optax"][1] == optax_, cost  # no conditional: one cost
-    assert max(cost["drop-in"]) <= 1.08 * optax_, cost
+    assert max(cost["drop-in"]) <= 1.005 * optax_, cost
     mini, emitting = cost["fused"]
     assert mini <= 1.01 * cost["emit=False"][0], cost
     assert emitting <= 1.05 * optax_, cost

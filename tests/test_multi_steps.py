@@ -852,3 +852,36 @@ def test_window_form_fixture_gives_each_form(window_form):
     compiled = jax.jit(opt.update).lower(params, opt.init(params), params).compile()
     conditionals = compiled.as_text().count(" conditional(")
     assert conditionals == (window_form == "conditional"), conditionals
+
+
+def test_a_window_starts_afresh_whatever_form_left_the_accumulator(window_form):
+    """One state through the fused step (its conditional keeps the window's
+    mean in `acc_grads`, here a NaN one that the inner `zero_nans`
+    cleans) and then `update` in each drop-in form: the next window folds
+    from its first gradient, not from what was left (values of 1e4, where
+    `acc + (g - acc)` is not `g`). Where the drop-in runs selected it
+    clears the accumulator at a window's end, as optax.MultiSteps does.
+    Reference: sgd on each window's mean, float64, rounded once."""
+    opt = optax_ext.MultiSteps(
+        optax.chain(optax_ext.zero_nans(), optax.sgd(1.0)), every_k_schedule=2
+    )
+    rng = np.random.default_rng(0)
+    grads = rng.normal(size=(6, 3)).astype(np.float32) * 1e4 + 3.0
+    grads[1, 0] = nan
+    p = jnp.zeros(3)
+    fused = jax.jit(lambda g, s, p: optax_ext.apply_gradients(opt, g, s, p))
+    update = jax.jit(opt.update)
+    s = opt.init(p)
+    for g in grads[:2]:
+        p, s = fused(jnp.asarray(g), s, p)
+    assert not np.isfinite(to_np(s.acc_grads)[0])  # the fused step kept it
+    want = np.zeros(3)
+    want[1:] = -grads[:2, 1:].astype(np.float64).mean(0)
+    for t, g in enumerate(grads[2:], start=2):
+        u, s = update(jnp.asarray(g), s, p)
+        p = optax.apply_updates(p, u)
+        if t % 2:
+            want = want - grads[t - 1 : t + 1].astype(np.float64).mean(0)
+            np.testing.assert_allclose(to_np(p), want.astype(np.float32), rtol=1e-6)
+            cleared = not np.any(to_np(s.acc_grads))
+            assert cleared == (window_form == "every step"), s.acc_grads

@@ -440,14 +440,13 @@ def test_head_split_decoder_on_tpu(form):
 
 
 @pytest.mark.xdist_group("ts-tpu-cycles")
-def test_drop_in_whole_step_on_tpu_costs_within_1_percent_of_optax():
+def test_drop_in_whole_step_on_tpu_costs_within_0_3_percent_of_optax():
     """XLA:TPU's cost model (a v5e, libtpu 0.0.48.1: `_compiled.step_cost`)
     for the whole train step of a decoder of 4 x 256 (sequence 128, batch
-    8, AdamW, float32): the drop-in's step within 1% of
-    optax.MultiSteps' (1.009x). A barrier on every accumulator leaf gave
-    1.126x (the fold stayed in the gradients' loops and pushed AdamW into
-    loops of its own), none 1.038x (the small leaves' moments copied out
-    of on-chip memory): `xla.fold_apart`, docs/design.md."""
+    8, AdamW, float32): the drop-in's step within 0.3% of
+    optax.MultiSteps' (1.0015x). Without clearing the accumulator where
+    its window ends (`branch.cleared_where_selected`) 1.009x: the fold of
+    an embedding or bias fuses with AdamW's second moment."""
     _skip_unless("tpu")
     params, loss, batch = _gpt(
         jnp.float32, d=256, layers=4, heads=4, vocab=4096, seq=128, batch=8
@@ -463,7 +462,7 @@ def test_drop_in_whole_step_on_tpu_costs_within_1_percent_of_optax():
             "tpu", train_step(opt, form, loss, []), params, state, batch, []
         )
         cost[form] = step_cost(compiled, "tpu")
-    assert max(cost["drop-in"]) <= 1.01 * cost["optax"][0], cost
+    assert max(cost["drop-in"]) <= 1.003 * cost["optax"][0], cost
 
 
 @functools.cache

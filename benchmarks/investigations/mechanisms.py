@@ -71,9 +71,10 @@ VARIANTS = {
         "on XLA:CPU, a state leaf whose old value the updates read after them",
         {"state_after_updates": False},
     ),
-    "no TPU fold apart": (
-        "on XLA:TPU, the drop-in's small accumulator leaves behind barriers",
-        {"fold_apart": False},
+    "no clearing": (
+        "on GPUs and TPUs, the drop-in's accumulator zeroed where its window "
+        "ends, as optax.MultiSteps does",
+        {"clear_when_selected": False},
     ),
     "drop-in in a conditional": (
         "on GPUs and TPUs, the inner optimizer on every mini-step of the "

@@ -141,9 +141,8 @@ def update_if(
     if form is Form.SELECTED:
         result, new_state, count = _selected(*args)
     elif form is Form.PER_PLATFORM:
-        apart = (*args[:2], xla.fold_apart(operands), *args[3:])
-        result, new_state, count = _per_platform(
-            lambda: _selected(*apart), lambda: _conditional(*args)
+        result, new_state, count = xla.per_platform(
+            lambda: _selected(*args), lambda: _conditional(*args)
         )
     else:
         result, new_state, count = _conditional(*args)
@@ -172,19 +171,6 @@ def select_results(
         result = jax.tree.map(lambda u: jnp.where(pred, u, 0).astype(u.dtype), result)
     new_state = jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, inner_state)
     return result, new_state
-
-
-def _per_platform(selected: Callable[[], Any], conditional: Callable[[], Any]) -> Any:
-    """`conditional()` on the platforms `xla.drop_in_in_conditional` names,
-    `selected()` on the others, chosen when the program is lowered."""
-
-    def pick(platform: str) -> Callable[[], Any]:
-        return conditional if xla.drop_in_in_conditional(platform) else selected
-
-    if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
-        return pick(jax.default_backend())()
-    forms = {p: pick(p) for p in ("cpu", "cuda", "rocm", "tpu")}
-    return lax.platform_dependent(**forms, default=selected)
 
 
 def known_bool(x: Any) -> bool | None:

@@ -15,6 +15,7 @@ from jaxtyping import PyTree
 
 from .._leaves import is_none
 from .._transformations import merge_trainable, step_and_apply
+from . import xla
 from .accumulator import Accumulator, Weights, as_gradient_dtype
 from .branch import Form, update_if
 from .devices import SingleDeviceState
@@ -137,5 +138,7 @@ def run_window(
         ran = count == 1
     if fused:
         result = merge_trainable(params, result)
+    if form is Form.PER_PLATFORM:
+        acc = xla.cleared_where_selected(step.window_end, acc)
     inner_state, emitted = inner.unwrap(state_out, ran)
     return result, inner_state, acc, emitted

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -34,7 +34,7 @@ class Mechanisms:
     scalar_barrier: bool = True
     distinct_zeros: bool = True
     state_after_updates: bool = True
-    fold_apart: bool = True
+    clear_when_selected: bool = True
 
 
 _ACTIVE = [Mechanisms()]
@@ -204,19 +204,27 @@ def distinct_zeros(avals: list[Any], seed: jax.Array | None) -> list[jax.Array]:
     return out
 
 
-def fold_apart(tree: PyTree) -> PyTree:
-    """`tree` with each leaf of rank 0 or 1 behind a barrier of its own, on TPUs."""
-    if not active().fold_apart:
-        return tree
-    leaves, treedef = jax.tree.flatten(tree)
-    at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.ndim <= 1]
-    if not at:
-        return tree
-    arrays = lax.platform_dependent(
-        [leaves[i] for i in at],
-        tpu=lambda xs: [lax.optimization_barrier(x) for x in xs],
-        default=lambda xs: xs,
-    )
-    for i, x in zip(at, arrays, strict=True):
-        leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves)
+def cleared_where_selected(pred: jax.Array, acc: PyTree) -> PyTree:
+    """`acc` zeroed where `pred` on the platforms where the drop-in runs
+    selected, as optax.MultiSteps clears it; as it is where the drop-in
+    keeps its conditional (docs/design.md, "Mechanisms per backend")."""
+    if not active().clear_when_selected:
+        return acc
+
+    def cleared():
+        return jax.tree.map(lambda a: jnp.where(pred, jnp.zeros_like(a), a), acc)
+
+    return per_platform(cleared, lambda: acc)
+
+
+def per_platform(selected: Callable[[], Any], conditional: Callable[[], Any]) -> Any:
+    """`conditional()` on the platforms `drop_in_in_conditional` names,
+    `selected()` on the others, chosen when the program is lowered."""
+
+    def pick(platform: str) -> Callable[[], Any]:
+        return conditional if drop_in_in_conditional(platform) else selected
+
+    if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
+        return pick(jax.default_backend())()
+    forms = {p: pick(p) for p in ("cpu", "cuda", "rocm", "tpu")}
+    return lax.platform_dependent(**forms, default=selected)
