@@ -16,7 +16,7 @@ from ._accumulate.arithmetic import check_accumulator_dtype
 from ._leaves import is_typed_key
 from ._microbatched_devices import run_on_devices
 from ._microbatched_loop import LoopSettings, is_gradient_mark
-from ._nnx_graph import merging, split_graph_nodes
+from ._nnx_graph import ModuleCarry, split_graph_nodes
 from ._tree import as_index, describe_value
 
 _POSITION = ("non-negative", "a position in grad_fn's arguments", TypeError)
@@ -252,8 +252,11 @@ def microbatched(
 
     def wrapped(*args: Any, **kwargs: Any) -> PyTree:
         _check_call(settings, args)
-        run, args, kwargs = _split_modules(settings, args, kwargs)
-        return run_on_devices(run, axis_name, args, kwargs)
+        run, split_args, split_kwargs = _split_modules(settings, args, kwargs)
+        out = run_on_devices(run, axis_name, split_args, split_kwargs)
+        if run.modules is not None:
+            run.modules.write_back(split_args, split_kwargs)
+        return out
 
     # Not `functools.wraps`: `eqx.filter_jit` takes `__wrapped__` for a transform.
     for attr in ("__name__", "__qualname__", "__doc__"):
@@ -291,11 +294,9 @@ def _check_call(settings: LoopSettings, args: tuple) -> None:
 def _split_modules(
     settings: LoopSettings, args: tuple, kwargs: dict
 ) -> tuple[LoopSettings, tuple, dict]:
-    """NNX modules among the other arguments split, and the functions merging them."""
+    """NNX modules among the other arguments split, and their carry."""
     keep = set(settings.batch_argnums) | {settings.key_argnum}
     args, kwargs, found = split_graph_nodes(args, kwargs, keep)
     if not found:
         return settings, args, kwargs
-    w = settings.weight_fn
-    grad_fn, weight_fn = merging(settings.grad_fn), None if w is None else merging(w)
-    return settings._replace(grad_fn=grad_fn, weight_fn=weight_fn), args, kwargs
+    return settings._replace(modules=ModuleCarry(found)), args, kwargs

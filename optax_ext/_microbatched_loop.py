@@ -49,6 +49,7 @@ class LoopSettings(NamedTuple):
     per_example: Any
     num_real_microbatches: Any
     mean: bool = True
+    modules: Any = None  # `_nnx_graph.ModuleCarry` where NNX modules were split
 
 
 class Looped(NamedTuple):
@@ -298,28 +299,37 @@ class _MicroBatches:
             args[key_argnum] = key
         return args, kwargs
 
-    def call(self, j: jax.Array) -> PyTree:
+    def call(self, j: jax.Array, carried: list | None = None, fn: Any = None) -> Any:
+        """`grad_fn` (or `fn`) on micro-batch `j`, and the module leaves it
+        set (`carried`: those leaves as the micro-batch before left them)."""
         args, kwargs = self.cut(j)
-        return self.settings.grad_fn(*args, **kwargs)
+        fn, modules = fn or self.settings.grad_fn, self.settings.modules
+        if modules is None:
+            return fn(*args, **kwargs), []
+        return modules.call(fn, tuple(args), kwargs, carried)
 
-    def weight(self, j: jax.Array) -> jax.Array:
+    def weight(self, j: jax.Array, carried: list) -> jax.Array:
         assert self.settings.weight_fn is not None
-        args, kwargs = self.cut(j)
-        return _check_weight(self.settings.weight_fn(*args, **kwargs))
+        return _check_weight(self.call(j, carried, self.settings.weight_fn)[0])
 
 
 def _body(micro, kinds, dtype, j, carry):
     """Micro-batch `j` folded into the carry: its outputs by their kinds,
     its weight (with `weight_fn`) into the running weight."""
-    acc, weight_sum, weights = carry
+    acc, weight_sum, weights, carried = carry
     axis_name, settings = micro.axis_name, micro.settings
     terms: Weights | None = None
     if settings.weight_fn is not None:
-        w = micro.weight(j).astype(dtype)
+        w = micro.weight(j, carried).astype(dtype)
         terms = Accumulator(settings.mean, True).weigh(weight_sum, w)
         weight_sum = terms.total
         weights = lax.dynamic_update_index_in_dim(weights, w, j, axis=0)
-    combined = eqx.filter(micro.call(j), is_combined)
+    out, changed = micro.call(j, carried)
+    changed = [
+        lax.convert_element_type(c, jnp.result_type(o))
+        for c, o in zip(changed, carried, strict=True)
+    ]
+    combined = eqx.filter(out, is_combined)
     outs = jax.tree.leaves(combined)
     if len(outs) != len(acc):
         raise ValueError(
@@ -328,13 +338,13 @@ def _body(micro, kinds, dtype, j, carry):
         )
     new = [k.fold(o, a, j, terms) for k, o, a in zip(kinds, outs, acc, strict=True)]
     if axis_name is None:
-        return new, weight_sum, weights
+        return new, weight_sum, weights, changed
     _check_not_summed(combined, kinds, acc, axis_name)
     new = [_match_varying(n, a) for n, a in zip(new, acc, strict=True)]
     if settings.weight_fn is not None:
         weight_sum = _match_varying(weight_sum, carry[1])
         weights = _match_varying(weights, carry[2])
-    return new, weight_sum, weights
+    return new, weight_sum, weights, changed
 
 
 def accumulate(
@@ -348,7 +358,11 @@ def accumulate(
     """The loop on this device's rows."""
     k = settings.num_microbatches
     micro = _MicroBatches(settings, axis_name, args, kwargs, regather)
-    out_shape = eqx.filter_eval_shape(micro.call, jnp.zeros((), jnp.int32))
+    out_shape = eqx.filter_eval_shape(
+        lambda j: micro.call(j)[0], jnp.zeros((), jnp.int32)
+    )
+    modules = settings.modules
+    carried = [] if modules is None else modules.initial(micro, axis_name)
     kinds, acc_dtypes, structs, treedef, static = _plan_outputs(
         out_shape, settings, rows=micro.rows
     )
@@ -362,10 +376,12 @@ def accumulate(
     weight_sum, weights = jnp.zeros((), dtype), jnp.zeros((k,), dtype)
     if axis_name is not None and weighted:
         weight_sum, weights = pcast_varying((weight_sum, weights), axis_name)
-    init = acc, weight_sum, weights
+    init = acc, weight_sum, weights, carried
     bound = _loop_bound(settings.num_real_microbatches, k)
-    acc, weight_sum, weights = lax.fori_loop(
+    acc, weight_sum, weights, carried = lax.fori_loop(
         0, bound, lambda j, carry: _body(micro, kinds, dtype, j, carry), init
     )
+    if modules is not None:
+        modules.final = carried
     weights = weights if weighted else None
     return Looped(kinds, acc, weight_sum, weights, bound, structs, treedef, static)

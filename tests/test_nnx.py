@@ -409,6 +409,95 @@ def test_microbatched_weight_fn_takes_the_module():
     )
 
 
+class NormDropModel(nnx.Module):
+    """BatchNorm's running statistics and Dropout's `nnx.Rngs` count: state
+    the forward pass changes."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(0, dropout=1)
+        self.hidden = nnx.Linear(3, 8, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, momentum=0.5, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(jnp.tanh(self.norm(self.hidden(x)))))[..., 0]
+
+
+def _other_state(model):
+    """The model's state but its params: the statistics and the counts."""
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Not(nnx.Param)))
+    keys = [jnp.issubdtype(x.dtype, jax.dtypes.prng_key) for x in leaves]
+    return [
+        np.asarray(jax.random.key_data(x) if key else x)
+        for x, key in zip(leaves, keys, strict=True)
+    ]
+
+
+def test_microbatched_carries_module_state_from_micro_batch_to_the_next():
+    """What the forward pass changes in the module (BatchNorm's running
+    statistics, Dropout's `nnx.Rngs` count) goes from one micro-batch to
+    the next and is in the module after the call, as after `k` calls of
+    `nnx.value_and_grad` one micro-batch at a time (the reference, each
+    call jitted): the same state, each micro-batch its own dropout mask,
+    and their gradients' mean (float64, rounded once)."""
+    k = 4
+    x, y = np.concatenate(XS[:2]), np.concatenate(YS[:2])  # 16 rows
+
+    def batch_loss(model, batch):
+        return loss(model, *batch)
+
+    @nnx.jit
+    def micro(model, batch):
+        return optax_ext.microbatched(nnx.value_and_grad(batch_loss), k)(model, batch)
+
+    one = nnx.jit(nnx.value_and_grad(batch_loss))
+    model, reference = NormDropModel(), NormDropModel()
+    before = _other_state(model)
+    got_loss, got = micro(model, (x, y))
+    losses, grads = [], []
+    for j in range(k):  # micro-batch j: rows j, j + k, ... (docs/multi_steps.md)
+        value, g = one(reference, (x[j::k], y[j::k]))
+        losses.append(float(value))
+        grads.append([np.asarray(leaf, np.float64) for leaf in jax.tree.leaves(g)])
+    after = _other_state(model)
+    assert any(not np.array_equal(a, b) for a, b in zip(after, before, strict=True))
+    for a, want in zip(after, _other_state(reference), strict=True):
+        np.testing.assert_array_equal(a, want)
+    np.testing.assert_allclose(got_loss, np.mean(losses), rtol=8 * EPS)
+    assert_float32_close(
+        [np.asarray(g) for g in jax.tree.leaves(got)],
+        [
+            np.mean(leaves, axis=0).astype(np.float32)
+            for leaves in zip(*grads, strict=True)
+        ],
+        ulps=16,
+    )
+
+
+def test_microbatched_refuses_module_state_changed_per_device():
+    """Per device (`axis_name`, here inside `shard_map` over one device),
+    each device would change the module's statistics its own way: refused,
+    naming what changes, before anything runs."""
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    x, y = np.concatenate(XS[:2]), np.concatenate(YS[:2])
+
+    def batch_loss(model, batch):
+        return loss(model, *batch)
+
+    def per_device(x, y):
+        grad_fn = nnx.value_and_grad(batch_loss)
+        run = optax_ext.microbatched(grad_fn, 2, axis_name="data")
+        return run(NormDropModel(), (x, y))[0]
+
+    spec = jax.sharding.PartitionSpec("data")
+    step = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(spec, spec), out_specs=spec[1:]
+    )
+    with pytest.raises(ValueError, match="changes the state of an NNX module"):
+        jax.jit(step)(x, y)
+
+
 # --- checkpoints ---------------------------------------------------------------
 
 
