@@ -208,7 +208,9 @@ def microbatched(
     leaves summed, bool leaves `any`-ed, others returned as `grad_fn` gives
     them. On a sharded batch each device accumulates its rows, reduced across
     devices once after the loop. Keyword arguments are passed on unchanged.
-    Details: docs/multi_steps.md, "What `microbatched` returns";
+    A Flax NNX module argument runs the micro-batches in turn: what its
+    forward pass changes (BatchNorm's statistics, an `nnx.Rngs` count) goes
+    from one to the next and is in the module after the call. Details: docs/multi_steps.md, "What `microbatched` returns";
     docs/data_parallel.md, "`microbatched` on a sharded batch".
 
     **Arguments:**
