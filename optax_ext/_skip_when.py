@@ -71,7 +71,7 @@ class _SkipWhen(Configured):
         def inner_update(grads, inner_state):
             return self.inner.update(grads, inner_state, given_params, **extra_args)
 
-        new, new_state, _ = update_if(_run(skip), inner_update, (filled,), state)
+        new, new_state, _, _ = update_if(_run(skip), inner_update, (filled,), state)
         new_state = strong_as_recorded(new_state, record)
         return updates_for_params(updates, new, params), new_state
 
@@ -100,7 +100,7 @@ class _SkipWhen(Configured):
             return restore_none(arrays, new_params), new_state
 
         filled = updates_for_inner(grads, params)
-        new_arrays, new_state, _ = update_if(
+        new_arrays, new_state, _, _ = update_if(
             _run(skip), inner_apply, (filled,), state, carry=arrays
         )
         new_state = strong_as_recorded(new_state, record)

@@ -389,7 +389,7 @@ def test_tpu_steps_cost_no_more_cycles_than_optax(inner):
     model estimates (`_compiled.step_cost`). The drop-in's step, which runs
     the inner optimizer on every step there, costs at most 1.005x
     optax.MultiSteps' (Adam-W 1.0025x, Lion 1.0026x); without clearing the
-    accumulator where its window ends (`branch.cleared_where_selected`)
+    accumulator where its window ends (`xla.cleared`)
     1.077x and 1.000x: its fold then fuses with AdamW's second moment,
     which is computed twice. The fused mini-step costs within 1% of the
     fold alone (`emit=False`), its emitting step within 5% of optax's step

@@ -445,7 +445,7 @@ def test_drop_in_whole_step_on_tpu_costs_within_0_3_percent_of_optax():
     for the whole train step of a decoder of 4 x 256 (sequence 128, batch
     8, AdamW, float32): the drop-in's step within 0.3% of
     optax.MultiSteps' (1.0015x). Without clearing the accumulator where
-    its window ends (`branch.cleared_where_selected`) 1.009x: the fold of
+    its window ends (`xla.cleared`) 1.009x: the fold of
     an embedding or bias fuses with AdamW's second moment."""
     _skip_unless("tpu")
     params, loss, batch = _gpt(

@@ -134,19 +134,21 @@ def update_if(
     `(ran, kept)`, the third output is `ran` where it ran, else `kept`."""
     known = known_bool(pred)
     if known is not None and counter is None:
-        return (*_decided(known, inner_update, operands, inner_state, carry), None)
+        decided = _decided(known, inner_update, operands, inner_state, carry)
+        return (*decided, None, operands)
     one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
     traced = _traced(inner_update, operands, inner_state, carry)
     args = (pred, traced, operands, inner_state, carry, counter or (one, zero))
     if form is Form.SELECTED:
         result, new_state, count = _selected(*args)
     elif form is Form.PER_PLATFORM:
-        result, new_state, count = xla.per_platform(
-            lambda: _selected(*args), lambda: _conditional(*args)
+        (result, new_state, count), operands = xla.per_platform(
+            lambda: (_selected(*args), xla.cleared(pred, operands)),
+            lambda: (_conditional(*args), operands),
         )
     else:
         result, new_state, count = _conditional(*args)
-    return result, new_state, None if counter is None else count
+    return result, new_state, None if counter is None else count, operands
 
 
 def _decided(

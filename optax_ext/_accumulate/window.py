@@ -15,7 +15,6 @@ from jaxtyping import PyTree
 
 from .._leaves import is_none
 from .._transformations import merge_trainable, step_and_apply
-from . import xla
 from .accumulator import Accumulator, Weights, as_gradient_dtype
 from .branch import Form, update_if
 from .devices import SingleDeviceState
@@ -132,13 +131,11 @@ def run_window(
     else:
         counter = (jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
         run = inner.apply if fused else inner.update
-        result, state_out, count = update_if(
+        result, state_out, count, (acc,) = update_if(
             pred, run, (acc,), state_in, carry=arrays, counter=counter, form=form
         )
         ran = count == 1
     if fused:
         result = merge_trainable(params, result)
-    if form is Form.PER_PLATFORM:
-        acc = xla.cleared_where_selected(step.window_end, acc)
     inner_state, emitted = inner.unwrap(state_out, ran)
     return result, inner_state, acc, emitted

@@ -92,17 +92,39 @@ def read_token(tree: PyTree) -> jax.Array | None:
     return lax.optimization_barrier(lax.reduce_and(ones, (0,)))
 
 
+def _cpu_passes_through(jaxpr: Any) -> dict:
+    """Outputs of a platform choice (`lax.platform_dependent`) that XLA:CPU's
+    branch returns as they came in: each such output var to its input var."""
+    alias = {}
+    for eqn in jaxpr.eqns:
+        platforms = eqn.params.get("branches_platforms") or ()
+        on_cpu = [i for i, p in enumerate(platforms) if p is None or "cpu" in p]
+        if eqn.primitive.name != "cond" or not on_cpu:
+            continue
+        branch = eqn.params["branches"][min(on_cpu, key=lambda i: platforms[i] is None)]
+        given = {v: k for k, v in enumerate(branch.jaxpr.invars)}
+        for out, inner in zip(eqn.outvars, branch.jaxpr.outvars, strict=True):
+            if isinstance(inner, jex_core.Var) and inner in given:
+                alias[out] = eqn.invars[1 + given[inner]]
+    return alias
+
+
 def old_value_read_first(
     jaxpr: Any, first_state: int, n_state: int, n_updates: int
 ) -> list[bool]:
     """For each state output of the inner step's `jaxpr`, whether the
-    updates read its old value and not the new one (Lion's `mu`)."""
+    updates read its old value and not the new one (Lion's `mu`), as
+    XLA:CPU will run it."""
     needed = {v for v in jaxpr.outvars[:n_updates] if isinstance(v, jex_core.Var)}
     for eqn in reversed(jaxpr.eqns):
         if any(v in needed for v in eqn.outvars):
             needed |= {v for v in eqn.invars if isinstance(v, jex_core.Var)}
     old = jaxpr.invars[first_state : first_state + n_state]
-    new = jaxpr.outvars[n_updates:]
+    alias = _cpu_passes_through(jaxpr)
+    new = [
+        alias.get(n, n) if isinstance(n, jex_core.Var) else n
+        for n in jaxpr.outvars[n_updates:]
+    ]
     return [
         o in needed and (not isinstance(n, jex_core.Var) or n not in needed)
         for o, n in zip(old, new, strict=True)
@@ -204,17 +226,13 @@ def distinct_zeros(avals: list[Any], seed: jax.Array | None) -> list[jax.Array]:
     return out
 
 
-def cleared_where_selected(pred: jax.Array, acc: PyTree) -> PyTree:
-    """`acc` zeroed where `pred` on the platforms where the drop-in runs
-    selected, as optax.MultiSteps clears it; as it is where the drop-in
-    keeps its conditional (docs/design.md, "Mechanisms per backend")."""
+def cleared(pred: jax.Array, tree: PyTree) -> PyTree:
+    """`tree` zeroed where `pred`: the drop-in's accumulator where it runs
+    selected, as optax.MultiSteps clears it (docs/design.md, "Mechanisms
+    per backend")."""
     if not active().clear_when_selected:
-        return acc
-
-    def cleared():
-        return jax.tree.map(lambda a: jnp.where(pred, jnp.zeros_like(a), a), acc)
-
-    return per_platform(cleared, lambda: acc)
+        return tree
+    return jax.tree.map(lambda a: jnp.where(pred, jnp.zeros_like(a), a), tree)
 
 
 def per_platform(selected: Callable[[], Any], conditional: Callable[[], Any]) -> Any:
