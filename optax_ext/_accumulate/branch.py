@@ -127,11 +127,13 @@ def update_if(
     carry: PyTree = None,
     counter: tuple[jax.Array, jax.Array] | None = None,
     form: Form = Form.CONDITIONAL,
-) -> tuple[PyTree, PyTree, jax.Array | None]:
+) -> tuple[PyTree, PyTree, jax.Array | None, tuple]:
     """`inner_update(*operands, inner_state)` where `pred`, else zero
     updates (or `carry`, which it then also takes) and `inner_state` as it
     came in, the new state in the old one's avals. With `counter`
-    `(ran, kept)`, the third output is `ran` where it ran, else `kept`."""
+    `(ran, kept)`, the third output is `ran` where it ran, else `kept`.
+    The fourth is `operands`, zeroed where `pred` on the platforms where
+    the per-platform form runs selected (`xla.cleared`)."""
     known = known_bool(pred)
     if known is not None and counter is None:
         decided = _decided(known, inner_update, operands, inner_state, carry)
