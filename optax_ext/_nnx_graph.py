@@ -75,9 +75,11 @@ class ModuleCarry:
         return [nodes[k][i] for k, at in self.changed.items() for i in at]
 
     def _state(self, node: SplitNode, leaves: list, values: Any, key: Any) -> Any:
-        """`node`'s state with the leaves `grad_fn` sets taken from `values`."""
-        for i in self.changed.get(key, []) if values is not None else []:
-            leaves[i] = next(values)
+        """`node`'s state with the leaves `grad_fn` sets taken from `values`
+        (an iterator; `None`: none taken)."""
+        if values is not None:
+            for i in self.changed.get(key, []):
+                leaves[i] = next(values)
         return jax.tree.unflatten(jax.tree.structure(node.state), leaves)
 
     def call(self, fn: Callable, args: tuple, kwargs: dict, carried: list | None):
@@ -86,7 +88,7 @@ class ModuleCarry:
         leaves `fn` sets); `fn`'s output and those leaves after it."""
         nnx, given = sys.modules["flax.nnx"], self._nodes(args, kwargs)
         values = None if carried is None else iter(carried)
-        split = dict([*enumerate(args), *kwargs.items()])
+        split = _by_key(args, kwargs)
         merged = {
             k: nnx.merge(split[k].graphdef, self._state(split[k], list(v), values, k))
             for k, v in given.items()
@@ -104,10 +106,15 @@ class ModuleCarry:
     def write_back(self, args: tuple, kwargs: dict) -> None:
         """The carried leaves written into the modules as they were given."""
         nodes, values = self._nodes(args, kwargs), iter(self.final)
-        split = dict([*enumerate(args), *kwargs.items()])
+        split = _by_key(args, kwargs)
         for key in self.changed:
             state = self._state(split[key], nodes[key], values, key)
             sys.modules["flax.nnx"].update(self.originals[key], state)
+
+
+def _by_key(args: tuple, kwargs: dict) -> dict[int | str, Any]:
+    """The arguments by position and name."""
+    return {**dict(enumerate(args)), **kwargs}
 
 
 def _set_leaves(after: list, before: list, key: Any) -> list[int]:
