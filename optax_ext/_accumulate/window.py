@@ -131,8 +131,17 @@ def run_window(
     else:
         counter = (jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
         run = inner.apply if fused else inner.update
+        # Cleared where the inner optimizer reads the accumulator as stored.
+        same = jax.tree.map(lambda a, d: jnp.result_type(a) == d, acc, inner.dtypes)
         result, state_out, count, (acc,) = update_if(
-            pred, run, (acc,), state_in, carry=arrays, counter=counter, form=form
+            pred,
+            run,
+            (acc,),
+            state_in,
+            carry=arrays,
+            counter=counter,
+            form=form,
+            clear=(same,),
         )
         ran = count == 1
     if fused:
