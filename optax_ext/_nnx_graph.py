@@ -1,7 +1,7 @@
-"""Flax NNX modules as `microbatched` arguments: split before the loop,
-merged in each trace of `grad_fn`, and the state `grad_fn` changes in
-them carried from micro-batch to micro-batch, then written back (why:
-docs/design.md, "Flax NNX")."""
+"""Flax NNX modules as `microbatched` arguments: split together before the
+loop (what they share stays shared), merged in each trace of `grad_fn`,
+and the state `grad_fn` changes in them carried from micro-batch to
+micro-batch, then written back (why: docs/design.md, "Flax NNX")."""
 
 from __future__ import annotations
 
@@ -11,36 +11,43 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 
-class SplitNode(eqx.Module):
-    """An argument holding NNX graph nodes, as `nnx.split` gives it."""
+class SplitNodes(eqx.Module):
+    """The arguments holding NNX graph nodes, split together by `nnx.split`:
+    in the first one's place, `SplitAway` in the others'."""
 
     graphdef: Any = eqx.field(static=True)
     state: Any
+    keys: tuple = eqx.field(static=True)  # the arguments' positions and names
+
+
+class SplitAway(eqx.Module):
+    """An argument held in the `SplitNodes` of an earlier one."""
 
 
 def split_graph_nodes(
     args: tuple, kwargs: dict, keep: Collection[int | None]
 ) -> tuple[tuple, dict, dict]:
-    """`args` and `kwargs` with each value holding an NNX graph node split
-    into a `SplitNode` (but at the positions `keep`), and those values as
-    given, by position or name."""
+    """`args` and `kwargs` with the values holding an NNX graph node (but at
+    the positions `keep`) split together, and those values as given, by
+    position or name."""
     nnx = sys.modules.get("flax.nnx")
-    found: dict[int | str, Any] = {}
     if nnx is None:
-        return args, kwargs, found
-
-    def split(key: int | str, value: Any) -> Any:
+        return args, kwargs, {}
+    found = {}
+    for key, value in _by_key(args, kwargs).items():
         leaves = jax.tree.leaves(value, is_leaf=nnx.graph.is_graph_node)
-        if key in keep or not any(map(nnx.graph.is_graph_node, leaves)):
-            return value
-        found[key] = value
-        graphdef, state = nnx.split(value)
-        return SplitNode(graphdef, nnx.as_pure(state))
-
-    args = tuple(split(i, a) for i, a in enumerate(args))
-    return args, {k: split(k, v) for k, v in kwargs.items()}, found
+        if key not in keep and any(map(nnx.graph.is_graph_node, leaves)):
+            found[key] = value
+    if not found:
+        return args, kwargs, found
+    graphdef, state = nnx.split(tuple(found.values()))
+    first = SplitNodes(graphdef, nnx.as_pure(state), tuple(found))
+    new = {k: first if k == first.keys[0] else SplitAway() for k in found}
+    args = tuple(new.get(i, a) for i, a in enumerate(args))
+    return args, {k: new.get(k, v) for k, v in kwargs.items()}, found
 
 
 class ModuleCarry:
@@ -50,16 +57,11 @@ class ModuleCarry:
 
     def __init__(self, originals: dict[int | str, Any]):
         self.originals = originals
-        self.changed: dict[int | str, list[int]] = {}
+        self.changed: list[int] = []
         self.final: list[Any] = []
 
-    def _nodes(self, args: tuple, kwargs: dict) -> dict[int | str, list]:
-        """Each split module's state leaves."""
-        return {
-            k: jax.tree.leaves(v.state)
-            for k, v in [*enumerate(args), *kwargs.items()]
-            if k in self.originals
-        }
+    def _node(self, args: tuple, kwargs: dict) -> SplitNodes:
+        return _by_key(args, kwargs)[next(iter(self.originals))]
 
     def initial(self, micro: Any, axis_name: Any) -> list[Any]:
         """The leaves `grad_fn` sets, as they came in; refused per device,
@@ -71,45 +73,35 @@ class ModuleCarry:
                 "nnx.Rngs count), which each device would change its own way. "
                 "Keep such state out of the module there."
             )
-        nodes = self._nodes(micro.args, micro.kwargs)
-        return [nodes[k][i] for k, at in self.changed.items() for i in at]
+        leaves = jax.tree.leaves(self._node(micro.args, micro.kwargs).state)
+        return [leaves[i] for i in self.changed]
 
-    def _state(self, node: SplitNode, leaves: list, values: Any, key: Any) -> Any:
-        """`node`'s state with the leaves `grad_fn` sets taken from `values`
-        (an iterator; `None`: none taken)."""
-        if values is not None:
-            for i in self.changed.get(key, []):
-                leaves[i] = next(values)
-        return jax.tree.unflatten(jax.tree.structure(node.state), leaves)
+    def _state(self, node: SplitNodes, values: list | None) -> Any:
+        """`node`'s state with the leaves `grad_fn` sets taken from `values`."""
+        leaves, treedef = jax.tree.flatten(node.state)
+        for i, value in zip(self.changed, values or [], strict=False):
+            leaves[i] = value
+        return jax.tree.unflatten(treedef, leaves)
 
     def call(self, fn: Callable, args: tuple, kwargs: dict, carried: list | None):
-        """`fn` on the arguments, each module merged with the `carried`
-        leaves (`None`: as it came in, the first trace, which finds the
+        """`fn` on the arguments, the modules merged with the `carried`
+        leaves (`None`: as they came in, the first trace, which finds the
         leaves `fn` sets); `fn`'s output and those leaves after it."""
-        nnx, given = sys.modules["flax.nnx"], self._nodes(args, kwargs)
-        values = None if carried is None else iter(carried)
-        split = _by_key(args, kwargs)
-        merged = {
-            k: nnx.merge(split[k].graphdef, self._state(split[k], list(v), values, k))
-            for k, v in given.items()
-        }
-        positional = (merged.get(i, a) for i, a in enumerate(args))
-        out = fn(*positional, **{k: merged.get(k, v) for k, v in kwargs.items()})
-        after = {
-            k: jax.tree.leaves(nnx.as_pure(nnx.state(m))) for k, m in merged.items()
-        }
+        nnx, node = sys.modules["flax.nnx"], self._node(args, kwargs)
+        merged = nnx.merge(node.graphdef, self._state(node, carried))
+        at = dict(zip(node.keys, merged, strict=True))
+        positional = (at.get(i, a) for i, a in enumerate(args))
+        out = fn(*positional, **{k: at.get(k, v) for k, v in kwargs.items()})
+        after = jax.tree.leaves(nnx.as_pure(nnx.state(merged)))
         if carried is None:
-            found = {k: _set_leaves(after[k], given[k], k) for k in given}
-            self.changed = {k: at for k, at in found.items() if at}
-        return out, [after[k][i] for k, at in self.changed.items() for i in at]
+            self.changed = _set_leaves(node.state, after)
+        return out, [after[i] for i in self.changed]
 
     def write_back(self, args: tuple, kwargs: dict) -> None:
         """The carried leaves written into the modules as they were given."""
-        nodes, values = self._nodes(args, kwargs), iter(self.final)
-        split = _by_key(args, kwargs)
-        for key in self.changed:
-            state = self._state(split[key], nodes[key], values, key)
-            sys.modules["flax.nnx"].update(self.originals[key], state)
+        if self.changed:
+            state = self._state(self._node(args, kwargs), self.final)
+            sys.modules["flax.nnx"].update(tuple(self.originals.values()), state)
 
 
 def _by_key(args: tuple, kwargs: dict) -> dict[int | str, Any]:
@@ -117,12 +109,31 @@ def _by_key(args: tuple, kwargs: dict) -> dict[int | str, Any]:
     return {**dict(enumerate(args)), **kwargs}
 
 
-def _set_leaves(after: list, before: list, key: Any) -> list[int]:
-    """Which of a module's state leaves `grad_fn` set to new arrays."""
-    if len(after) != len(before):
+def _set_leaves(state: Any, after: list) -> list[int]:
+    """Which of the modules' state leaves `grad_fn` set to new arrays;
+    raises where it changed their structure, a shape or a dtype."""
+    paths = jax.tree_util.tree_flatten_with_path(state)[0]
+    if len(after) != len(paths):
         raise ValueError(
-            f"grad_fn changed the structure of the NNX module passed as {key!r} "
-            f"({len(before)} state leaves, then {len(after)}); microbatched "
-            "carries its state from micro-batch to micro-batch, which needs one."
+            f"grad_fn changed the structure of the NNX modules it was passed "
+            f"({len(paths)} state leaves, then {len(after)}); microbatched "
+            "carries their state from micro-batch to micro-batch, which needs one."
         )
-    return [i for i, (a, b) in enumerate(zip(after, before, strict=True)) if a is not b]
+    changed = []
+    for i, ((path, old), new) in enumerate(zip(paths, after, strict=True)):
+        if new is old:
+            continue
+        changed.append(i)
+        was, now = _aval(old), _aval(new)
+        if was != now:
+            raise ValueError(
+                f"grad_fn changed an NNX module's state at "
+                f"{jax.tree_util.keystr(path)} from {was} to {now}; microbatched "
+                "carries it from micro-batch to micro-batch, which needs one "
+                "shape and dtype."
+            )
+    return changed
+
+
+def _aval(x: Any) -> str:
+    return f"{jnp.result_type(x)}{list(jnp.shape(x))}"

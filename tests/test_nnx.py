@@ -475,6 +475,59 @@ def test_microbatched_carries_module_state_from_micro_batch_to_the_next():
     )
 
 
+class Counter(nnx.Module):
+    """Counts its calls in a `BatchStat`."""
+
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(3))
+        self.n = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        self.n[...] = self.n[...] + 1
+        return x @ self.w[...]
+
+
+def test_microbatched_keeps_a_module_shared_by_two_arguments_shared():
+    """One module passed twice: both arguments are the one module inside
+    `grad_fn`, and it counts every call, as `k` calls in turn do (each
+    argument split apart, the last one's count was written back: 4, not 8)."""
+
+    def two(a, x, b):
+        return jnp.mean(a(x)) + jnp.mean(b(x))
+
+    model, reference = Counter(), Counter()
+    x = np.ones((16, 3), np.float32)
+    nnx.jit(optax_ext.microbatched(two, 4))(model, x, model)
+    for j in range(4):
+        two(reference, x[j::4], reference)
+    assert int(model.n[...]) == int(reference.n[...]) == 8
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+def test_microbatched_refuses_module_state_of_another_type(change):
+    """State the forward pass gives another dtype or shape cannot ride in
+    the loop's carry: refused, naming the leaf, before the loop runs (not
+    cast back, nor a loop's error)."""
+
+    class Changing(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(3))
+            self.c = nnx.BatchStat(jnp.zeros((1,), jnp.int32))
+
+        def __call__(self, x):
+            c = self.c[...]
+            if change == "dtype":
+                self.c.value = c + jnp.mean(x) + 0.25  # `[...] =` would cast
+            else:
+                self.c.value = jnp.concatenate([c, c])
+            return x @ self.w[...]
+
+    model = Changing()
+    run = optax_ext.microbatched(lambda m, x: jnp.mean(m(x)), 4)
+    with pytest.raises(ValueError, match=r"state at \[0\]\['c'\] from int32\[1\]"):
+        run(model, np.ones((16, 3), np.float32))
+
+
 def test_microbatched_refuses_module_state_changed_per_device():
     """Per device (`axis_name`, here inside `shard_map` over one device),
     each device would change the module's statistics its own way: refused,

@@ -127,15 +127,13 @@ def update_if(
     carry: PyTree = None,
     counter: tuple[jax.Array, jax.Array] | None = None,
     form: Form = Form.CONDITIONAL,
-    clear: PyTree = None,
 ) -> tuple[PyTree, PyTree, jax.Array | None, tuple]:
     """`inner_update(*operands, inner_state)` where `pred`, else zero
     updates (or `carry`, which it then also takes) and `inner_state` as it
     came in, the new state in the old one's avals. With `counter`
     `(ran, kept)`, the third output is `ran` where it ran, else `kept`.
     The fourth is `operands`, zeroed where `pred` on the platforms where
-    the per-platform form runs selected (`xla.cleared`): the leaves
-    `clear` (bools, `operands`' tree) marks, all without it."""
+    the per-platform form runs selected (`xla.cleared`)."""
     known = known_bool(pred)
     if known is not None and counter is None:
         decided = _decided(known, inner_update, operands, inner_state, carry)
@@ -147,7 +145,7 @@ def update_if(
         result, new_state, count = _selected(*args)
     elif form is Form.PER_PLATFORM:
         (result, new_state, count), operands = xla.per_platform(
-            lambda: (_selected(*args), xla.cleared(pred, operands, clear)),
+            lambda: (_selected(*args), xla.cleared(pred, operands)),
             lambda: (_conditional(*args), operands),
         )
     else:

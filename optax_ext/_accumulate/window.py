@@ -131,18 +131,12 @@ def run_window(
     else:
         counter = (jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
         run = inner.apply if fused else inner.update
-        # Cleared where the inner optimizer reads the accumulator as stored.
-        same = jax.tree.map(lambda a, d: jnp.result_type(a) == d, acc, inner.dtypes)
-        result, state_out, count, (acc,) = update_if(
-            pred,
-            run,
-            (acc,),
-            state_in,
-            carry=arrays,
-            counter=counter,
-            form=form,
-            clear=(same,),
+        result, state_out, count, (cleared,) = update_if(
+            pred, run, (acc,), state_in, carry=arrays, counter=counter, form=form
         )
+        # Cleared only where the inner optimizer reads the accumulator as stored.
+        same = jax.tree.map(lambda a, d: jnp.result_type(a) == d, acc, inner.dtypes)
+        acc = jax.tree.map(lambda c, a, s: c if s else a, cleared, acc, same)
         ran = count == 1
     if fused:
         result = merge_trainable(params, result)

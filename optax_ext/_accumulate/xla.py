@@ -226,16 +226,13 @@ def distinct_zeros(avals: list[Any], seed: jax.Array | None) -> list[jax.Array]:
     return out
 
 
-def cleared(pred: jax.Array, tree: PyTree, where: PyTree = None) -> PyTree:
-    """`tree` zeroed where `pred`, at the leaves `where` marks (all without
-    it): the drop-in's accumulator where it runs selected, as
-    optax.MultiSteps clears it (docs/design.md, "Mechanisms per backend")."""
+def cleared(pred: jax.Array, tree: PyTree) -> PyTree:
+    """`tree` zeroed where `pred`: the drop-in's accumulator where it runs
+    selected, as optax.MultiSteps clears it (docs/design.md, "Mechanisms
+    per backend")."""
     if not active().clear_when_selected:
         return tree
-    where = jax.tree.map(lambda _: True, tree) if where is None else where
-    return jax.tree.map(
-        lambda a, w: jnp.where(pred, jnp.zeros_like(a), a) if w else a, tree, where
-    )
+    return jax.tree.map(lambda a: jnp.where(pred, jnp.zeros_like(a), a), tree)
 
 
 def per_platform(selected: Callable[[], Any], conditional: Callable[[], Any]) -> Any:
