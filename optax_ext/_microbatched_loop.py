@@ -50,6 +50,7 @@ class LoopSettings(NamedTuple):
     num_real_microbatches: Any
     mean: bool = True
     modules: Any = None  # `_nnx_graph.ModuleCarry` where NNX modules were split
+    explicit: bool = False  # the loop's axes are those of the batch's type
 
 
 class Looped(NamedTuple):
@@ -99,29 +100,37 @@ def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
     return cast_varying(value, tuple(want - have))
 
 
-def _check_not_summed(outs: PyTree, kinds: list, acc: list, axis_name: Any) -> None:
-    """Refuses a reduced output that is the same on every device along
-    `axis_name`: the gradient of a value `grad_fn` closes over, summed."""
+def _check_not_summed(outs: PyTree, kinds: list, acc: list, micro: Any, j: Any) -> None:
+    """Refuses a float output that is the same on every device yet depends
+    on grad_fn's arguments (which vary): jax.grad summed it over devices."""
+    axis_name, summed = micro.axis_name, []
     names = manual_axes(axis_names(axis_name))
     paths = jax.tree_util.tree_leaves_with_path(outs)
-    for kind, (path, out), a in zip(kinds, paths, acc, strict=True):
+    for i, (kind, (path, out), a) in enumerate(zip(kinds, paths, acc, strict=True)):
         out_axes, acc_axes = varying_axes(out), varying_axes(a)
-        if not kind.reduced or None in (out_axes, acc_axes):
-            continue
-        same = summed_axes(out_axes, acc_axes, names)
-        if same:
-            along = same[0] if len(same) == 1 else same
-            raise ValueError(
-                f"microbatched(axis_name={axis_name!r}): grad_fn's output at "
-                f"{jax.tree_util.keystr(path) or 'the root'} is the same on every "
-                f"device along {along!r}, so it does not come from this device's "
-                "rows: it is the gradient (or a function) of a value grad_fn "
-                "closes over, and under jax.shard_map jax.grad sums such a "
-                "gradient over the devices already; averaging it again would "
-                "scale it. Pass the params (and every traced value grad_fn "
-                "reads) as arguments of grad_fn, given to the microbatched call: "
-                "`microbatched(jax.grad(loss), k, batch_argnums=1)(params, batch)`."
-            )
+        if isinstance(kind, Accumulator) and None not in (out_axes, acc_axes):
+            same = summed_axes(out_axes, acc_axes, names)
+            summed += [(i, path, same)] if same else []
+    if not summed:
+        return
+    reads = micro.reads_arguments(j)
+    path, same = next(((p, s) for i, p, s in summed if reads[i]), (None, ()))
+    if not same:  # constants (a count, a flag's float): averaged as they are
+        return
+    who = f"(axis_name={axis_name!r})"
+    if micro.settings.explicit:
+        who = f" on a batch split over the Explicit mesh axes {names}"
+    along = same[0] if len(same) == 1 else same
+    raise ValueError(
+        f"microbatched{who}: grad_fn's output at "
+        f"{jax.tree_util.keystr(path) or 'the root'} is computed from its "
+        f"arguments yet is the same on every device along {along!r}: it is "
+        "the gradient of a value grad_fn closes over (or reads outside its "
+        "arguments), which jax.grad under jax.shard_map sums over the devices; "
+        "averaging it again would scale it. Pass the params (and every value "
+        "grad_fn differentiates) as arguments of grad_fn, given to the call: "
+        "`microbatched(jax.grad(loss), k, batch_argnums=1)(params, batch)`."
+    )
 
 
 def _check_weight(weight: Any) -> jax.Array:
@@ -146,9 +155,8 @@ def _per_example_flags(per_example: Any, out_shape: PyTree, shapes: PyTree) -> l
     if isinstance(per_example, bool) or is_gradient_mark(per_example):
         return [per_example] * len(jax.tree.leaves(shapes))
     try:
-        full = jax.tree.map(
-            lambda flag, sub: jax.tree.map(lambda _: flag, sub), per_example, shapes
-        )
+        prefix = lambda f, sub: jax.tree.map(lambda _: f, sub)  # noqa: E731
+        full = jax.tree.map(prefix, per_example, shapes)
     except ValueError as e:
         raise ValueError(
             "per_example must be a bool, 'gradient', or a pytree prefix of "
@@ -206,11 +214,8 @@ def _plan_outputs(
     combined = lambda x: is_struct(x) and not is_float0(x)  # noqa: E731
     shapes, static = eqx.partition(out_shape, combined, is_leaf=is_struct)
     # A float0 gradient comes back as the NumPy array jax.grad returns.
-    static = jax.tree.map(
-        lambda x: np.zeros(x.shape, x.dtype) if is_struct(x) else x,
-        static,
-        is_leaf=is_struct,
-    )
+    as_numpy = lambda x: np.zeros(x.shape, x.dtype) if is_struct(x) else x  # noqa: E731
+    static = jax.tree.map(as_numpy, static, is_leaf=is_struct)
     flat_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     flags = _per_example_flags(settings.per_example, out_shape, shapes)
     planned = [
@@ -274,9 +279,8 @@ class _MicroBatches:
         if axis_name is not None:
             args, kwargs = pcast_varying((args, kwargs), axis_name)
         self.rows = _rows(args, argnums, k) // k
-        self.split = {
-            i: jax.tree.map(lambda x: split_leading(x, k), args[i]) for i in argnums
-        }
+        split = lambda x: split_leading(x, k)  # noqa: E731
+        self.split = {i: jax.tree.map(split, args[i]) for i in argnums}
         key = settings.key_argnum
         self.keys = None if key is None else jax.random.split(args[key], k)
         self.settings, self.axis_name, self.regather = settings, axis_name, regather
@@ -287,11 +291,9 @@ class _MicroBatches:
         args, kwargs = list(self.args), self.kwargs
         if self.regather:
             args, kwargs = _params_barrier(j, (args, kwargs), argnums)
+        take = lambda x: lax.dynamic_index_in_dim(x, j, 1, False)  # noqa: E731
         for i in argnums:
-            args[i] = jax.tree.map(
-                lambda x: lax.dynamic_index_in_dim(x, j, axis=1, keepdims=False),
-                self.split[i],
-            )
+            args[i] = jax.tree.map(take, self.split[i])
         if self.keys is not None and key_argnum is not None:
             key = lax.dynamic_index_in_dim(self.keys, j, keepdims=False)
             if self.axis_name is not None:  # each device's own dropout masks
@@ -299,14 +301,26 @@ class _MicroBatches:
             args[key_argnum] = key
         return args, kwargs
 
-    def call(self, j: jax.Array, carried: list | None = None, fn: Any = None) -> Any:
-        """`grad_fn` (or `fn`) on micro-batch `j`, and the module leaves it
-        set (`carried`: those leaves as the micro-batch before left them)."""
-        args, kwargs = self.cut(j)
+    def call(self, j: Any, carried: Any = None, fn: Any = None, cut: Any = None) -> Any:
+        """`grad_fn` (or `fn`) on micro-batch `j` (or the arguments `cut`), and
+        the module leaves it set (`carried`: as the micro-batch before left them)."""
+        args, kwargs = cut or self.cut(j)
         fn, modules = fn or self.settings.grad_fn, self.settings.modules
         if modules is None:
             return fn(*args, **kwargs), []
         return modules.call(fn, tuple(args), kwargs, carried)
+
+    def reads_arguments(self, j: jax.Array) -> list[bool]:
+        """For each combined output leaf: whether it is computed from the
+        micro-batch's arguments (a dataflow walk of grad_fn's jaxpr)."""
+        dynamic, static = eqx.partition(self.cut(j), eqx.is_array)
+        run = lambda d: self.call(j, [], None, eqx.combine(d, static))[0]
+        jaxpr = jax.make_jaxpr(lambda d: eqx.filter(run(d), is_combined))(dynamic)
+        live = {id(v) for v in jaxpr.jaxpr.invars}
+        for eqn in jaxpr.jaxpr.eqns:
+            if any(id(v) in live for v in eqn.invars):
+                live.update(id(v) for v in eqn.outvars)
+        return [id(v) in live for v in jaxpr.jaxpr.outvars]
 
     def weight(self, j: jax.Array, carried: list) -> jax.Array:
         assert self.settings.weight_fn is not None
@@ -339,7 +353,7 @@ def _body(micro, kinds, dtype, j, carry):
     new = [k.fold(o, a, j, terms) for k, o, a in zip(kinds, outs, acc, strict=True)]
     if axis_name is None:
         return new, weight_sum, weights, changed
-    _check_not_summed(combined, kinds, acc, axis_name)
+    _check_not_summed(combined, kinds, acc, micro, j)
     new = [_match_varying(n, a) for n, a in zip(new, acc, strict=True)]
     if settings.weight_fn is not None:
         weight_sum = _match_varying(weight_sum, carry[1])
@@ -358,9 +372,7 @@ def accumulate(
     """The loop on this device's rows."""
     k = settings.num_microbatches
     micro = _MicroBatches(settings, axis_name, args, kwargs, regather)
-    out_shape = eqx.filter_eval_shape(
-        lambda j: micro.call(j)[0], jnp.zeros((), jnp.int32)
-    )
+    out_shape = eqx.filter_eval_shape(lambda j: micro.call(j)[0], jnp.int32(0))
     modules = settings.modules
     carried = [] if modules is None else modules.initial(micro, axis_name)
     kinds, acc_dtypes, structs, treedef, static = _plan_outputs(
@@ -369,10 +381,8 @@ def accumulate(
     floating = zip(acc_dtypes, kinds, strict=True)
     dtype = weight_dtype([d for d, kind in floating if isinstance(kind, Accumulator)])
     weighted = settings.weight_fn is not None
-    acc = []
-    for kind, s, d in zip(kinds, structs, acc_dtypes, strict=True):
-        zero = _zero(kind, s, d, k)
-        acc.append(zero if axis_name is None else pcast_varying(zero, axis_name))
+    acc = [_zero(*x, k) for x in zip(kinds, structs, acc_dtypes, strict=True)]
+    acc = acc if axis_name is None else pcast_varying(acc, axis_name)
     weight_sum, weights = jnp.zeros((), dtype), jnp.zeros((k,), dtype)
     if axis_name is not None and weighted:
         weight_sum, weights = pcast_varying((weight_sum, weights), axis_name)

@@ -328,6 +328,70 @@ def test_grad_fn_closing_over_params_is_refused_not_scaled(where):
     _assert_close(got, want)
 
 
+def test_grad_fn_closing_over_concrete_params_is_refused_not_scaled():
+    """Params closed over as concrete arrays (not traced: `shard_map`
+    called outside `jax.jit`) are constants of the loop's trace, and
+    `jax.grad` still sums their gradient over the devices. Refused too:
+    the output is computed from the batch yet the same on every device."""
+    params, batch = _problem()
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        rows = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        fn = lambda b: jax.grad(loss)(params, b)  # noqa: E731
+        micro = optax_ext.microbatched(fn, K, axis_name="data", batch_argnums=0)
+        run = jax.shard_map(micro, mesh=mesh, in_specs=P("data"), out_specs=P())
+        with pytest.raises(ValueError, match=r"closes over(.|\n)*Pass the params"):
+            run(rows)
+
+
+def _constant_outputs(params, batch):
+    """The gradient, and outputs built the same on every device: an int
+    from the micro-batch's shape, a bool and a float constant."""
+    rows = jnp.int32(batch[0].shape[0])
+    aux = {"rows": rows, "flag": jnp.bool_(True), "half": jnp.float32(0.5)}
+    return jax.grad(loss)(params, batch), aux
+
+
+@pytest.mark.parametrize("mode", ["explicit", "auto", "shard_map"])
+def test_outputs_the_same_on_every_device_combine_as_on_one(mode):
+    """Outputs that do not vary over the batch's axis were refused as
+    gradients `jax.grad` summed over the devices, naming a closure that did
+    not exist (and, on an `Explicit` batch, an `axis_name` never passed).
+    They combine as on one device over the whole batch: the rows counted,
+    the flag any-ed, the constant its own mean; the gradient the whole
+    batch's."""
+    params, batch = _problem()
+    _, (grads, aux) = _sharded_call(mode, _constant_outputs, params, batch)
+    assert aux["rows"].dtype == jnp.int32 and int(aux["rows"]) == N
+    assert aux["flag"].dtype == jnp.bool_ and bool(aux["flag"])
+    assert aux["half"].dtype == jnp.float32 and float(aux["half"]) == 0.5
+    with jax.enable_x64(True):
+        want = jax.grad(loss)(_f64(params), _f64(batch))
+    _assert_close(grads, want)
+
+
+def test_grad_fn_closing_over_params_on_an_explicit_batch_is_refused():
+    """On an `Explicit` batch (no `axis_name`), a `grad_fn` closing over the
+    params is refused as inside `shard_map`; the error named
+    `axis_name='data'`, which the caller never passed. It names the
+    batch's axes."""
+    params, batch = _problem()
+    with jax.set_mesh(_mesh("Explicit")):
+        rows = jax.device_put(batch, NamedSharding(_mesh("Explicit"), P("data")))
+
+        @jax.jit
+        def step(params, batch):
+            fn = lambda b: jax.grad(loss)(params, b)  # noqa: E731
+            return optax_ext.microbatched(fn, K, batch_argnums=0)(batch)
+
+        with pytest.raises(ValueError) as info:
+            step(params, rows)
+    message = str(info.value)
+    assert "axis_name=" not in message
+    assert re.search(r"Explicit mesh axes \('data',\)(.|\n)*closes over", message)
+    assert "Pass the params" in message
+
+
 def test_axis_name_the_explicit_batch_is_not_split_over_is_refused():
     """With the batch split over `Explicit` axes, the loop averages over
     the axes its type names; an `axis_name` naming another (a typo, or the

@@ -625,6 +625,46 @@ def test_replicated_gradients_are_rejected():
             )
 
 
+def test_replicated_zeros_for_a_frozen_leaf_are_refused_saying_what_to_do():
+    """`jnp.zeros` for a frozen leaf, built inside `shard_map`, is the same
+    on every device, as is a gradient `jax.grad` summed over them: while
+    tracing the two cannot be told apart, and the error spoke only of the
+    latter. It names the leaf and both ways out; zeros cast as varying, as
+    it says, give sgd's step on the whole batch, the frozen leaf unmoved."""
+    params, xs, ys = _problem(1)
+    mesh = _data_mesh()
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), 1, axis_name="data")
+    specs = opt.state_specs()
+    with jax.set_mesh(mesh):
+        params, state = _deferred_init(opt, params, mesh)
+
+        def step(cast):
+            @jax.jit
+            @jax.shard_map(in_specs=(P(), specs, P("data"), P("data")), out_specs=P())
+            def run(params, state, x, y):
+                frozen = jnp.zeros((5,))
+                grads = dict(_local_grads(params, x, y), b1=cast(frozen))
+                return opt.update(grads, state, params)[0]
+
+            batch = NamedSharding(mesh, P("data"))
+            x, y = jax.device_put(xs[0], batch), jax.device_put(ys[0], batch)
+            return run(params, state, x, y)
+
+        pcast = r"pcast\(zeros, 'data', to='varying'\)|pvary\(zeros, 'data'\)"
+        with pytest.raises(
+            ValueError,
+            match=r"at \['b1'\] \(an array of shape \(5,\) and dtype float32\) is "
+            r"the same on every device along 'data'(.|\n)*summed it over the "
+            r"devices(.|\n)*`jnp.zeros` for a frozen leaf: pass `jax.lax.("
+            + pcast
+            + ")",
+        ):
+            step(lambda z: z)
+        updates = step(_varying)
+    want = dict(jax.grad(_loss)(jax.device_get(params), xs[0], ys[0]), b1=jnp.zeros(5))
+    _assert_close(updates, jax.tree.map(jnp.negative, want))
+
+
 def _varying_along(tree, axes):
     if hasattr(lax, "pcast"):  # jax >= 0.9
         return lax.pcast(tree, axes, to="varying")

@@ -14,23 +14,24 @@ from jaxtyping import PyTree
 
 from .._leaves import is_none
 from .._sharding import axis_names, summed_axes, varying_axes, varying_call
+from .._tree import describe_value
 from .accumulator import Accumulator, reduce_across
 
 
-def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple[str, Any, Any]]:
-    """For each given gradient leaf: where, and the mesh axes it and `acc` vary over."""
-    given: list[tuple[str, Any, Any]] = []
+def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple]:
+    """Each given gradient leaf: where, itself, and the axes it and `acc` vary over."""
+    given: list[tuple] = []
 
     def visit(path: Any, g: Any, a: Any) -> None:
         if g is not None:
-            given.append((jax.tree_util.keystr(path) or "the root", g, a))
+            given.append((path, g, a))
 
     jax.tree_util.tree_map_with_path(visit, grads, acc, is_leaf=is_none)
-    for where, g, a in given:
+    for path, g, a in given:
         g_axes, a_axes = varying_axes(g), varying_axes(a)
         if g_axes is None or a_axes is None:
             return
-        yield where, g_axes, a_axes
+        yield jax.tree_util.keystr(path) or "the root", g, g_axes, a_axes
 
 
 class SingleDeviceState:
@@ -53,17 +54,16 @@ class SingleDeviceState:
     def check_gradients(self, grads: PyTree, acc: PyTree) -> None:
         """Raises if the gradients vary over a mesh axis the accumulator
         does not (a data-parallel step without `axis_name`)."""
-        for where, g_axes, a_axes in _varying_axes_of(grads, acc):
+        for where, _, g_axes, a_axes in _varying_axes_of(grads, acc):
             extra = sorted(g_axes - a_axes, key=str)
             if extra:
                 raise ValueError(
                     "MultiSteps: inside `jax.shard_map`, the gradients at "
-                    f"{where} differ between "
-                    f"devices along {extra}, but the accumulator for them in "
-                    "the state is the same on every device. To average the "
-                    "devices' gradients once per window, build MultiSteps "
-                    f"with axis_name={extra[0]!r} and its state with "
-                    "`opt.state_specs()`; for params that are split along "
+                    f"{where} differ between devices along {extra}, but the "
+                    "accumulator for them in the state is the same on every "
+                    "device. To average the devices' gradients once per window, "
+                    f"build MultiSteps with axis_name={extra[0]!r} and its state "
+                    "with `opt.state_specs()`; for params that are split along "
                     "that axis, build the state with `opt.init` inside "
                     "`jax.shard_map` from those params, with their specs."
                 )
@@ -97,12 +97,11 @@ class PerDeviceState(SingleDeviceState):
             if method == "apply_gradients":
                 who = f"optax_ext.apply_gradients with {built}"
             raise NameError(
-                f"{who} must run "
-                f"where the mesh axis {self.axis_name!r} is bound, inside "
-                "`jax.shard_map` (or `jax.vmap`/`jax.pmap` with that axis_name), "
-                "with the state's `acc_grads` and `skip_state` split over it: "
-                "pass `opt.state_specs()` as their in_specs and out_specs. "
-                f"({e})"
+                f"{who} must run where the mesh axis {self.axis_name!r} is "
+                "bound, inside `jax.shard_map` (or `jax.vmap`/`jax.pmap` with "
+                "that axis_name), with the state's `acc_grads` and `skip_state` "
+                "split over it: pass `opt.state_specs()` as their in_specs and "
+                f"out_specs. ({e})"
             ) from None
 
     def spec(self) -> Any:
@@ -127,23 +126,26 @@ class PerDeviceState(SingleDeviceState):
         return jax.tree_util.tree_map_with_path(drop, acc)
 
     def check_gradients(self, grads: PyTree, acc: PyTree) -> None:
-        """Raises if the gradients are the same on every device while the
-        accumulator is not (already summed by `jax.grad`)."""
+        """Raises if a gradient is the same on every device while the
+        accumulator is not: while tracing, one `jax.grad` summed over the
+        devices cannot be told from a value built alike on each (zeros)."""
         name = self.axis_name
-        names = axis_names(name)
-        for where, g_axes, a_axes in _varying_axes_of(grads, acc):
-            same = summed_axes(g_axes, a_axes, names)
+        for where, g, g_axes, a_axes in _varying_axes_of(grads, acc):
+            same = summed_axes(g_axes, a_axes, axis_names(name))
             if same:
                 along = same[0] if len(same) == 1 else same
+                cast = varying_call(along)
                 raise ValueError(
-                    f"MultiSteps(axis_name={name!r}) accumulates each device's "
-                    "own gradients and averages them once per window, but the "
-                    f"gradients at {where} "
-                    f"are the same on every device along {along!r}: under "
-                    "`jax.shard_map`, `jax.grad` with respect to replicated "
-                    "params sums the gradients over the devices already. Take "
-                    f"the gradient with respect to `{varying_call(along)}` to "
-                    "get this device's gradients."
+                    f"MultiSteps(axis_name={name!r}) averages each device's own "
+                    f"gradients once per window, but the gradient at {where} "
+                    f"({describe_value(g)}) is the same on every device along "
+                    f"{along!r}. Either `jax.grad` summed it over the devices "
+                    "already (its params replicated under `jax.shard_map`), and "
+                    "averaging would scale it: take the gradient with respect "
+                    f"to `{cast}`. Or it is a value built the same on every "
+                    "device, such as `jnp.zeros` for a frozen leaf: pass `"
+                    + cast.replace("params", "zeros", 1)
+                    + "`, or `jnp.zeros_like` of the cast params' leaf."
                 )
 
     def agree(self, should_skip: jax.Array) -> jax.Array:
