@@ -5,7 +5,8 @@ libtpu, on Python 3.12): `.venv-deviceless`, or the Python named by
 `OPTAX_EXT_DEVICELESS_PYTHON`. Without one the checks skip, saying how to
 build it; under `.ci/run` (`OPTAX_EXT_DEVICELESS=required`) they fail.
 There, too, the XLA:CPU checks of params sharded under `jax.jit`
-(`test_sharded.py`), whose update path differs below jaxlib 0.11.
+(`test_sharded.py`), whose update path differs below jaxlib 0.11, and
+the drop-in against optax.MultiSteps on that JAX (`test_drop_in_claims.py`).
 """
 
 import os
@@ -95,15 +96,17 @@ def test_sharded_checks_pass_with_jaxlib_0_11():
     env.pop("OPTAX_EXT_DEVICELESS", None)
     # The structure and memory checks (and the per-example outputs' test),
     # whose outcome depends on the XLA; the values (`..._equals_*`) are
-    # checked with the main run's jax.
+    # checked with the main run's jax. And the drop-in against optax on the
+    # JAX of the GPU machines (`test_drop_in_claims.py`: one device).
     summary = child_pytest(
         python,
         [
             "-n",
             "2",
             "-k",
-            "keeps_buffers or no_more_memory or come_back_whole",
+            "keeps_buffers or no_more_memory or come_back_whole or claims",
             str(TESTS / "test_sharded.py"),
+            str(TESTS / "test_drop_in_claims.py"),
         ],
         env,
         "sharded checks with jax 0.11",

@@ -26,6 +26,7 @@ FILES = [
     "test_train_step_memory.py",
     "test_compile_options.py",
     "test_golden.py",
+    "test_drop_in_claims.py",
 ]
 
 
