@@ -70,7 +70,6 @@ def run_on_devices(
     if axis_name is not None and _is_manual(axis_name):
         return _run(settings, axis_name, args, kwargs)[0]
     spec, mesh = _batch_spec(args, settings.batch_argnums)
-    settings = settings._replace(explicit=spec is not None)
     if spec is not None and axis_name is not None:
         split = axis_names(spec)
         if not set(axis_names(axis_name)) <= set(split):

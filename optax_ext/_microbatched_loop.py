@@ -50,7 +50,6 @@ class LoopSettings(NamedTuple):
     num_real_microbatches: Any
     mean: bool = True
     modules: Any = None  # `_nnx_graph.ModuleCarry` where NNX modules were split
-    explicit: bool = False  # the loop's axes are those of the batch's type
 
 
 class Looped(NamedTuple):
@@ -101,36 +100,27 @@ def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
 
 
 def _check_not_summed(outs: PyTree, kinds: list, acc: list, micro: Any, j: Any) -> None:
-    """Refuses a float output that is the same on every device yet depends
-    on grad_fn's arguments (which vary): jax.grad summed it over devices."""
-    axis_name, summed = micro.axis_name, []
-    names = manual_axes(axis_names(axis_name))
+    """Refuses a float output that is the same on every device yet computed
+    from grad_fn's arguments (which all vary): jax.grad summed it over them."""
+    names, summed = manual_axes(axis_names(micro.axis_name)), {}
     paths = jax.tree_util.tree_leaves_with_path(outs)
     for i, (kind, (path, out), a) in enumerate(zip(kinds, paths, acc, strict=True)):
-        out_axes, acc_axes = varying_axes(out), varying_axes(a)
-        if isinstance(kind, Accumulator) and None not in (out_axes, acc_axes):
-            same = summed_axes(out_axes, acc_axes, names)
-            summed += [(i, path, same)] if same else []
-    if not summed:
-        return
-    reads = micro.reads_arguments(j)
-    path, same = next(((p, s) for i, p, s in summed if reads[i]), (None, ()))
-    if not same:  # constants (a count, a flag's float): averaged as they are
-        return
-    who = f"(axis_name={axis_name!r})"
-    if micro.settings.explicit:
-        who = f" on a batch split over the Explicit mesh axes {names}"
-    along = same[0] if len(same) == 1 else same
-    raise ValueError(
-        f"microbatched{who}: grad_fn's output at "
-        f"{jax.tree_util.keystr(path) or 'the root'} is computed from its "
-        f"arguments yet is the same on every device along {along!r}: it is "
-        "the gradient of a value grad_fn closes over (or reads outside its "
-        "arguments), which jax.grad under jax.shard_map sums over the devices; "
-        "averaging it again would scale it. Pass the params (and every value "
-        "grad_fn differentiates) as arguments of grad_fn, given to the call: "
-        "`microbatched(jax.grad(loss), k, batch_argnums=1)(params, batch)`."
-    )
+        axes = varying_axes(out), varying_axes(a)
+        if isinstance(kind, Accumulator) and None not in axes:
+            summed[i] = (path, summed_axes(*axes, names))
+    found = {i: s for i, s in summed.items() if s[1]}
+    reads = micro.reads_arguments(j) if found else ()  # else a constant: averaged
+    for path, same in (found[i] for i in found if reads[i]):
+        along = same[0] if len(same) == 1 else same
+        raise ValueError(
+            f"microbatched: grad_fn's output at "
+            f"{jax.tree_util.keystr(path) or 'the root'} is computed from its "
+            f"arguments yet the same on every device along {along!r}: jax.grad "
+            "summed it over the devices (grad_fn closes over what it "
+            "differentiates), and averaging would scale it. Pass the params as "
+            "arguments of grad_fn, given to the call: "
+            "`microbatched(jax.grad(loss), k, batch_argnums=1)(params, batch)`."
+        )
 
 
 def _check_weight(weight: Any) -> jax.Array:

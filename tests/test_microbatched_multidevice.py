@@ -374,7 +374,7 @@ def test_grad_fn_closing_over_params_on_an_explicit_batch_is_refused():
     """On an `Explicit` batch (no `axis_name`), a `grad_fn` closing over the
     params is refused as inside `shard_map`; the error named
     `axis_name='data'`, which the caller never passed. It names the
-    batch's axes."""
+    batch's axis."""
     params, batch = _problem()
     with jax.set_mesh(_mesh("Explicit")):
         rows = jax.device_put(batch, NamedSharding(_mesh("Explicit"), P("data")))
@@ -388,7 +388,7 @@ def test_grad_fn_closing_over_params_on_an_explicit_batch_is_refused():
             step(params, rows)
     message = str(info.value)
     assert "axis_name=" not in message
-    assert re.search(r"Explicit mesh axes \('data',\)(.|\n)*closes over", message)
+    assert re.search(r"along 'data'(.|\n)*closes over", message)
     assert "Pass the params" in message
 
 
