@@ -2,6 +2,7 @@
 
 from ._apply import apply_gradients as apply_gradients
 from ._inject import inject_hyperparams as inject_hyperparams
+from ._linen import train_state_apply_gradients as train_state_apply_gradients
 from ._microbatched import microbatched as microbatched
 from ._multi_steps import MultiSteps as MultiSteps
 from ._multi_steps import WeightedMultiStepsState as WeightedMultiStepsState
@@ -21,5 +22,6 @@ __all__ = [
     "nnx_apply_gradients",
     "skip_when",
     "stop_gradient_where",
+    "train_state_apply_gradients",
     "zero_nans",
 ]

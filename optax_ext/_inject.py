@@ -32,9 +32,8 @@ def _type_args(annotation: Any) -> list[Any]:
 
 def _takes_a_tree(tp: Any) -> bool:
     """Whether a type admits containers (a params tree) rather than a number."""
-    if tp is typing.Any or typing.get_origin(tp) in _CONTAINERS:
-        return True
-    return any(_takes_a_tree(arg) for arg in typing.get_args(tp))
+    types = _type_args(tp)
+    return any(t is typing.Any or typing.get_origin(t) in _CONTAINERS for t in types)
 
 
 def _annotation_rules_out_schedule(annotation: Any) -> bool:
@@ -47,9 +46,8 @@ def _annotation_rules_out_schedule(annotation: Any) -> bool:
         if typing.get_origin(t) is Callable
         and isinstance((typing.get_args(t) or (None,))[0], list)
     ]
-    return bool(forms) and not any(
-        len(f) == 1 and not _takes_a_tree(f[0]) for f in forms
-    )
+    of_one_number = [len(f) == 1 and not _takes_a_tree(f[0]) for f in forms]
+    return bool(forms) and not any(of_one_number)
 
 
 def _is_int(value: Any) -> bool:
@@ -70,7 +68,7 @@ def _rejects_str(param: inspect.Parameter) -> bool:
 
 
 def classify(name: str, value: Any, param: inspect.Parameter, static: set[str]) -> str:
-    """Rules 1 to 7 of `inject_hyperparams`' docstring, in order."""
+    """Rules 1 to 7 of docs/inject_hyperparams.md, in order."""
     if name in static or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
         return STATIC
     if isinstance(value, str) and _rejects_str(param):
@@ -150,34 +148,19 @@ def inject_hyperparams(
     `optax.InjectStatefulHyperparamsState`: numeric hyperparameters can be read
     and written in `state.hyperparams`, schedules are evaluated on the step
     count, and `jax.grad` with respect to `state.hyperparams["learning_rate"]`
-    gives hypergradients.
+    gives hypergradients. A hyperparameter is stored strongly typed (in
+    `hyperparam_dtype` if given) and handed to the factory weakly typed where
+    given so; one its dtype rounds to 0, 1 or inf is refused.
 
-    **How each argument of the factory is treated** (first rule that applies;
-    details in docs/inject_hyperparams.md):
-
-    1. named in `static_args`, or a `*args` / `**kwargs` entry: passed through;
-    2. `None`, a bool, a string, or a dtype or other class: passed through;
-    3. an `optax.schedules.StatefulSchedule`: a stateful schedule;
-    4. a parameter named `mask` or ending in `_mask`: passed through, a
-       pytree or a function `params -> mask` (optax #1373);
-    5. any other callable where the factory's default is a callable, or whose
-       annotation names callables none taking one number: passed through;
-    6. any other callable: a schedule, called with the step count;
-    7. a Python or NumPy int where the factory's default is an int (a size or
-       count): passed through (optax #412);
-    8. any other number or array: injected into `state.hyperparams`, unless
-       traced on its own in an abstract trial of the factory's init and update
-       it raises a concretization error (`scale_by_sm3`'s `b2`): passed through.
-
-    To make an argument a schedule against rules 4-5, wrap it in a `lambda`;
-    to pass one through against rules 6-8, name it in `static_args`.
-
-    **Numerics:** a numeric hyperparameter is stored strongly typed, in
-    `hyperparam_dtype` if given (a strong JAX array keeps its dtype), else in
-    its given dtype; a Python number, weak array or schedule value is handed to
-    the factory weakly typed. The updates are the bare factory's given each
-    number rounded to its stored dtype. Values rounded to 0, 1 or infinity, and
-    names written into `state.hyperparams` that are not injected, are refused.
+    **Which arguments are injected** (rules 1 to 8 of docs/inject_hyperparams.md,
+    the first that applies): a name in `static_args`, a `*args` / `**kwargs` entry,
+    `None`, a bool, a string, a class, a mask (`mask`, `*_mask`: optax #1373), a
+    callable where the factory's default is one or whose annotation rules out a
+    number, an int where the default is an int (a size: optax #412), and a number
+    the factory cannot take traced (`scale_by_sm3`'s `b2`) are passed through as
+    given. Another callable is a schedule, called with the step count; any other
+    number or array is injected. Wrap an argument in a `lambda` to make it a
+    schedule; name it in `static_args` to pass it through.
 
     **Arguments:**
 

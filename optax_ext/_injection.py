@@ -143,19 +143,15 @@ class Injection(Configured):
                 f"broadcast into the updates and the params. Write a value of shape "
                 f"{shape}."
             )
-        if array.dtype == jnp.bool_ and dtype != jnp.bool_:
-            raise ArgumentError(
-                f"{holds(array)} is a hyperparameter of dtype {dtype} ({given}); a "
-                "bool would be taken as 0 or 1. Write a number."
-            )
-        if array.dtype != dtype and not jnp.can_cast(
-            array.dtype, dtype, casting="same_kind"
-        ):
+        as_number = array.dtype == jnp.bool_ and dtype != jnp.bool_
+        kept = array.dtype == dtype or jnp.can_cast(array.dtype, dtype, "same_kind")
+        if as_number or not kept:
+            why = "casting would change the value"
+            why = "a bool would be taken as 0 or 1" if as_number else why
             raise ArgumentError(
                 f"{holds(array)} is a hyperparameter of dtype {dtype} (fixed by "
-                f"{given}); casting would change the value. Write a value of dtype "
-                f"{dtype}, or build the optimizer with {name} given as a value of the "
-                "dtype you need."
+                f"{given}); {why}. Write a value of dtype {dtype}, or build the "
+                f"optimizer with {name} given as a value of the dtype you need."
             )
         if check:
             self._check_kept(name, value, dtype, where)
@@ -191,22 +187,14 @@ class Injection(Configured):
 
     def _schedule_value(self, name: str, schedule: Any, state: Any, **extra):
         value = schedule(state, **extra)
-        head = f"The schedule given as {name} returned"
-        if isinstance(value, str) or not isinstance(value, NUMBER_TYPES):
-            raise ArgumentError(
-                f"{head} {describe_value(value)}; a schedule must return a scalar "
-                "number (a Python number or a 0-d array) for each step count."
-            )
-        array = jnp.asarray(value)
-        if array.shape != ():
-            raise ArgumentValueError(
-                f"{head} {describe_value(array)}; a schedule must return a scalar "
-                "(shape ()) for each step count."
-            )
-        if not jnp.issubdtype(array.dtype, jnp.number):
-            raise ArgumentError(
-                f"{head} {describe_value(array)}; a schedule must return a number "
-                "(int, float or complex)."
+        number = isinstance(value, NUMBER_TYPES) and not isinstance(value, str)
+        array = jnp.asarray(value) if number else None
+        if array is None or array.shape or not jnp.issubdtype(array.dtype, jnp.number):
+            error = ArgumentValueError if number and array.shape else ArgumentError
+            raise error(
+                f"The schedule given as {name} returned {describe_value(value)}; a "
+                "schedule must return a number of shape () for each step count: a "
+                "Python number, or an int, float or complex array."
             )
         dtype = self._storage_dtype(array, value)
         return self._as_state_value(name, array, dtype, name, check=False)
@@ -320,9 +308,8 @@ class Injection(Configured):
         params = inner_params(params)
         self._check_masks(params)
         schedule_states = {n: s.init() for n, s in self.schedules.items()}
-        stored, handed = self._hyperparams(
-            self._traceable(params), schedule_states, "arguments"
-        )
+        numeric = self._traceable(params)
+        stored, handed = self._hyperparams(numeric, schedule_states, "arguments")
         inner_state = mirror_param_sharding(self._build(handed).init(params), params)
         return optax.InjectStatefulHyperparamsState(
             jnp.zeros((), jnp.int32), stored, schedule_states, inner_state

@@ -57,7 +57,11 @@ _MSG_UNWEIGHTED = (
 )
 _MSG_NEEDS_WEIGHT = (
     "{} needs `weight=`: this mini-step's weight, a scalar >= 0 (e.g. its number of "
-    "non-padding tokens). The window emits the mean of its gradients weighted by it."
+    "non-padding tokens). The window weighs the mini-step's gradient by it. A loop "
+    "that calls tx.update itself does not pass it on: Flax Linen's "
+    "TrainState.apply_gradients sends its keywords to .replace, nnx.Optimizer.update "
+    "takes none. Call optax_ext.train_state_apply_gradients(state, grads, weight=n) "
+    "(Linen) or optax_ext.nnx_apply_gradients(optimizer, model, grads, weight=n) (NNX)."
 )
 _MSG_WEIGHT_TYPE = (
     "{}'s `weight` must be a real scalar >= 0 (an int or float, e.g. the "

@@ -1,6 +1,5 @@
 """`nnx_apply_gradients`: `apply_gradients` on an `nnx.Optimizer` and its
-model in place. Flax is never imported here (docs/design.md, "Flax NNX").
-"""
+model in place. Flax is never imported here (docs/design.md, "Flax NNX")."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import sys
 from typing import Any
 
 from ._apply import apply_gradients
-from ._transformations import owner
+from ._linen import check_emit
 
 _NAME = "optax_ext.nnx_apply_gradients"
 
@@ -26,13 +25,7 @@ def _check_arguments(nnx: Any, optimizer: Any, model: Any, emit: Any) -> None:
             f"{_NAME}: model must be the NNX module the optimizer was built "
             f"for (an `nnx.Module`), got {type(model).__name__}: {model!r:.200}."
         )
-    if emit is not None and not getattr(owner(optimizer.tx), "takes_emit", False):
-        raise TypeError(
-            f"{_NAME}: emit={emit!r} chooses where an optax_ext.MultiSteps "
-            "window ends, so optimizer.tx must be an optax_ext.MultiSteps (or "
-            f"its gradient_transformation()), got {optimizer.tx!r:.200}. "
-            "Leave emit out for any other optimizer."
-        )
+    check_emit(_NAME, "optimizer.tx", optimizer.tx, emit)
 
 
 def nnx_apply_gradients(
@@ -44,16 +37,11 @@ def nnx_apply_gradients(
     emit: bool | None = None,
     **extra_args: Any,
 ) -> None:
-    """`nnx.Optimizer.update(model, grads)` through
-    `optax_ext.apply_gradients`: one optimizer step, its update applied to
-    `model` in the same call, fused for `MultiSteps`.
-
-    It reads and writes the model and optimizer as `nnx.Optimizer.update`
-    does, in the same order, and adds 1 to `optimizer.step`; only the middle
-    differs (`apply_gradients` where `update` runs `tx.update` then
-    `optax.apply_updates`). So one optimizer takes both calls, and a
-    checkpoint of one loads in the other. It works in place, inside
-    `nnx.jit` or outside.
+    """`optimizer.update(model, grads)` for a Flax `nnx.Optimizer`, through
+    `optax_ext.apply_gradients`: fused for `MultiSteps`, with `weight=` and
+    `emit=`. It reads and writes the model and optimizer in place as
+    `update` does (`wrt`, `optimizer.step`), so one optimizer, and its
+    checkpoints, take both; inside `nnx.jit` or outside.
 
     **Arguments:**
 
@@ -93,13 +81,9 @@ def nnx_apply_gradients(
     params = nnx.as_pure(nnx.state(model, optimizer.wrt, **graph))
     grad_arrays = nnx.as_pure(nnx.state(grads, optimizer.wrt, **graph))
     opt_state = nnx.as_pure(optimizer.opt_state)
+    extra_args = nnx.as_pure(extra_args)
     new_params, new_opt_state = apply_gradients(
-        optimizer.tx,
-        grad_arrays,
-        opt_state,
-        params,
-        emit=emit,
-        **nnx.as_pure(extra_args),
+        optimizer.tx, grad_arrays, opt_state, params, emit=emit, **extra_args
     )
     nnx.update(model, new_params)
     nnx.update(optimizer.opt_state, nnx.state(new_opt_state, **graph))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import struct
 from typing import Any
 
 import jax
@@ -16,44 +15,6 @@ import numpy as np
 import optax
 
 from ._leaves import is_typed_key
-
-
-class _ByIdentity(Exception):
-    """A configuration value that is not compared by value."""
-
-
-def _array_key(x: np.ndarray | np.generic | jax.Array) -> tuple:
-    """A read-only concrete 0-d array or key by kind, dtype, weak type and bits."""
-    kind = "jax" if isinstance(x, jax.Array) else "numpy"
-    if np.ndim(x) != 0 or (isinstance(x, np.ndarray) and x.flags.writeable):
-        raise _ByIdentity
-    try:
-        if isinstance(x, jax.Array) and is_typed_key(x):  # only JAX holds keys
-            data = np.asarray(jax.random.key_data(x))
-            return (kind, "key", str(jax.random.key_impl(x)), data.tobytes())
-        bits = np.asarray(x)
-    except Exception as error:  # noqa: BLE001 - unreadable: by identity
-        raise _ByIdentity from error
-    weak = bool(getattr(x, "weak_type", False))
-    return (kind, str(bits.dtype), weak, bits.tobytes())
-
-
-def _leaf_key(leaf: Any) -> tuple:
-    """What a configuration leaf compares by (numbers by bits); else `_ByIdentity`."""
-    if isinstance(leaf, jax.core.Tracer):
-        raise _ByIdentity
-    kind = type(leaf)
-    if kind is float:
-        return (kind, struct.pack("<d", leaf))
-    if kind is complex:
-        return (kind, struct.pack("<dd", leaf.real, leaf.imag))
-    if isinstance(leaf, np.ndarray | np.generic | jax.Array):
-        return _array_key(leaf)
-    try:
-        hash(leaf)  # ints, strings, None, dtypes, functions, frozen objects
-    except TypeError as error:
-        raise _ByIdentity from error
-    return (kind, leaf)
 
 
 class _Same:
@@ -71,19 +32,45 @@ class _Same:
         return id(self.leaf)
 
 
+def _array_key(x: np.ndarray | np.generic | jax.Array) -> tuple | _Same:
+    """A read-only concrete 0-d array or key by kind, dtype, weak type and bits."""
+    kind = "jax" if isinstance(x, jax.Array) else "numpy"
+    if np.ndim(x) != 0 or (isinstance(x, np.ndarray) and x.flags.writeable):
+        return _Same(x)
+    try:
+        if isinstance(x, jax.Array) and is_typed_key(x):  # only JAX holds keys
+            data = np.asarray(jax.random.key_data(x))
+            return (kind, "key", str(jax.random.key_impl(x)), data.tobytes())
+        bits = np.asarray(x)
+    except Exception:  # noqa: BLE001 - unreadable: by identity
+        return _Same(x)
+    weak = bool(getattr(x, "weak_type", False))
+    return (kind, str(bits.dtype), weak, bits.tobytes())
+
+
+def _leaf_key(leaf: Any) -> tuple | _Same:
+    """A leaf's key: numbers by bits; a tracer or mutable leaf by identity."""
+    kind = type(leaf)
+    if isinstance(leaf, jax.core.Tracer):
+        return _Same(leaf)
+    if kind is float or kind is complex:
+        return (kind, np.asarray(leaf).tobytes())  # float64 or complex128 bits
+    if isinstance(leaf, np.ndarray | np.generic | jax.Array):
+        return _array_key(leaf)
+    try:
+        hash(leaf)  # ints, strings, None, dtypes, functions, frozen objects
+    except TypeError:
+        return _Same(leaf)
+    return (kind, leaf)
+
+
 def _by_value(value: Any) -> tuple | None:
-    """A hashable stand-in: structure and `_leaf_key`s (or `_Same`s); else `None`."""
+    """A hashable stand-in: structure and `_leaf_key`s; else `None`."""
     try:
         leaves, treedef = jax.tree.flatten(value)
     except Exception:  # noqa: BLE001 - a node that cannot be flattened
         return None
-    keys = []
-    for leaf in leaves:
-        try:
-            keys.append(_leaf_key(leaf))
-        except _ByIdentity:
-            keys.append(_Same(leaf))
-    key = (treedef, tuple(keys))
+    key = (treedef, tuple(_leaf_key(leaf) for leaf in leaves))
     try:
         hash(key)
     except TypeError:

@@ -1,7 +1,5 @@
 """`stop_gradient_where`: a conditional `torch.no_grad()` for JAX values, a
-selection between a value and its stopped copy on a traced flag (why:
-docs/gradient_context.md).
-"""
+selection between a value and its stopped copy (docs/gradient_context.md)."""
 
 from __future__ import annotations
 
@@ -55,9 +53,8 @@ def stop_gradient_where(pred: Any, tree: PyTree) -> PyTree:
 
     **Returns:**
 
-    `tree` with the same values, dtypes and weak types; the gradient of any
-    function of the result with respect to `tree` is zero wherever `pred` is
-    true and unchanged elsewhere.
+    `tree` with the same values, dtypes and weak types, its gradient zero
+    wherever `pred` is true and unchanged elsewhere.
 
     **Example:**
 
@@ -72,16 +69,13 @@ def stop_gradient_where(pred: Any, tree: PyTree) -> PyTree:
             f"stop_gradient_where: the predicate {pred!r} holds no bool; pass a "
             "bool, a bool array, or a pytree of them."
         )
+    pred = jax.tree.map(_check_pred, pred)
     try:
-        pred = jax.tree.map(_check_pred, pred)
-        return jax.tree.map(
-            lambda p, sub: jax.tree.map(lambda x: _stop_leaf(p, x), sub), pred, tree
-        )
+        pred = jax.tree.broadcast(pred, tree)
     except ValueError as error:
-        if "stop_gradient_where" in str(error):
-            raise
         raise ValueError(
             "stop_gradient_where: the predicate tree must be a bool or a prefix of "
             f"the value tree ({jax.tree.structure(pred)} is not a prefix of "
             f"{jax.tree.structure(tree)})."
         ) from error
+    return jax.tree.map(_stop_leaf, pred, tree)

@@ -22,11 +22,8 @@ _NO_UPDATE = object()  # a `None` update where only the containers are compared
 
 
 def _describe(leaf: Any) -> str:
-    if leaf is None or leaf is _NO_UPDATE:
-        return "None"
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        return f"an array of shape {tuple(leaf.shape)} and dtype {leaf.dtype}"
-    return f"a {type(leaf).__name__}"
+    """`describe_value(leaf)`; "None" for a `None` leaf or update."""
+    return "None" if leaf is None or leaf is _NO_UPDATE else describe_value(leaf)
 
 
 _STRUCTURE_HINT = (
@@ -37,8 +34,18 @@ _STRUCTURE_HINT = (
 )
 
 
-def _first_difference(exp_paths: dict, got_paths: dict, names: tuple) -> str | None:
-    """Where a path of the expected tree is missing or `None` on one side."""
+_MSG_UNEQUAL_CONTAINERS = (
+    "their containers print alike ({}) but compare unequal: they differ in "
+    "what a container holds beside its children and does not print (an "
+    "Equinox module's static fields, say, which a pickle round trip can make "
+    "unequal). Restore a checkpoint into the state this process builds (its "
+    "init, or `jax.eval_shape` of it), so the containers come from here"
+)
+
+
+def _difference(exp_paths, got_paths, exp_def, got_def, names) -> str:
+    """Where two trees differ: the first path of the expected tree missing or
+    `None` on one side, else a path it lacks, else their containers."""
     expected_name, got_name = names
     for path, leaf in exp_paths.items():
         if path not in got_paths:
@@ -56,21 +63,6 @@ def _first_difference(exp_paths: dict, got_paths: dict, names: tuple) -> str | N
                 f"{_describe(got_paths[path])} but {expected_name} hold "
                 f"{_describe(leaf)}"
             )
-    return None
-
-
-_MSG_UNEQUAL_CONTAINERS = (
-    "their containers print alike ({}) but compare unequal: they differ in "
-    "what a container holds beside its children and does not print (an "
-    "Equinox module's static fields, say, which a pickle round trip can make "
-    "unequal). Restore a checkpoint into the state this process builds (its "
-    "init, or `jax.eval_shape` of it), so the containers come from here"
-)
-
-
-def _containers_differ(exp_paths, got_paths, exp_def, got_def, names) -> str:
-    """The difference of two trees with the same paths, or an extra one."""
-    expected_name, got_name = names
     extra = next((p for p in got_paths if p not in exp_paths), None)
     if extra is not None:
         return (
@@ -97,17 +89,13 @@ def check_same_structure(
     flatten = lambda t: jax.tree_util.tree_flatten_with_path(t, is_leaf=is_none)
     exp_leaves, exp_def = flatten(expected)
     got_leaves, got_def = flatten(got)
-    if exp_def == got_def and all(
-        (a is None) == (b is None)
-        for (_, a), (_, b) in zip(exp_leaves, got_leaves, strict=True)
-    ):
+    nones = lambda leaves: [leaf is None for _, leaf in leaves]
+    if exp_def == got_def and nones(exp_leaves) == nones(got_leaves):
         return
     exp_paths = {jax.tree_util.keystr(p): leaf for p, leaf in exp_leaves}
     got_paths = {jax.tree_util.keystr(p): leaf for p, leaf in got_leaves}
     names = (expected_name, got_name)
-    problem = _first_difference(exp_paths, got_paths, names)
-    if problem is None:
-        problem = _containers_differ(exp_paths, got_paths, exp_def, got_def, names)
+    problem = _difference(exp_paths, got_paths, exp_def, got_def, names)
     raise ValueError(
         f"The tree of {got_name} does not match {expected_name}: {problem}. {hint}"
     )

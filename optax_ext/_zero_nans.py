@@ -10,9 +10,9 @@ import optax
 from ._leaves import is_typed_key
 
 
-def _found_nan(update: jax.Array) -> jax.Array:
-    update = jnp.asarray(update)
-    if not jnp.issubdtype(update.dtype, jnp.inexact):  # no NaN: no comparison
+def _found_nan(update: jax.Array | None) -> jax.Array:
+    """Whether `update` holds a NaN (`None`, no gradient, and integers hold none)."""
+    if update is None or not jnp.issubdtype(jnp.result_type(update), jnp.inexact):
         return jnp.zeros((), jnp.bool_)
     return jnp.any(jnp.isnan(update))
 
@@ -26,39 +26,24 @@ def _zero_nan(update: jax.Array) -> jax.Array:
 
 
 def _tracked(x) -> bool:
-    """A params leaf that gets a `found_nan` entry: a numeric array or Python
-    number (not a key or function, as `eqx.filter_grad`)."""
-    if isinstance(x, (bool, int, float, complex)):
-        return True
-    return eqx.is_array(x) and not is_typed_key(x)
+    """A params leaf with a `found_nan` entry: a number, not a key or function."""
+    numeric_array = eqx.is_array(x) and not is_typed_key(x)
+    return isinstance(x, (bool, int, float, complex)) or numeric_array
 
 
 def _init(params):
-    return optax.ZeroNansState(
-        found_nan=jax.tree.map(
-            lambda x: jnp.zeros((), jnp.bool_) if _tracked(x) else None, params
-        )
-    )
-
-
-def _found_nan_like(update, previous):
-    """One leaf of the new state, in the structure `init` fixed."""
-    if previous is None:
-        return None  # not a numeric leaf of the params
-    if update is None:
-        return jnp.zeros((), jnp.bool_)  # a numeric leaf with no gradient
-    return _found_nan(update)
+    found_nan = lambda x: jnp.zeros((), jnp.bool_) if _tracked(x) else None
+    return optax.ZeroNansState(jax.tree.map(found_nan, params))
 
 
 def _found_nans(updates, state):
-    """`found_nan` in the structure of `init`'s state, or of the updates where
-    there is none to follow (as optax, which ignores the state)."""
-    previous = getattr(state, "found_nan", None) if state is not None else None
+    """`found_nan` in the structure of `init`'s state, else of the updates (as
+    optax, which ignores the state)."""
+    previous = getattr(state, "found_nan", None)
     if previous is not None or isinstance(state, optax.ZeroNansState):
         try:
-            return jax.tree.map(
-                _found_nan_like, updates, previous, is_leaf=lambda x: x is None
-            )
+            found = lambda u, p: None if p is None else _found_nan(u)
+            return jax.tree.map(found, updates, previous, is_leaf=lambda x: x is None)
         except (ValueError, TypeError):
             pass  # another tree than init's: as optax, follow the updates
     return jax.tree.map(_found_nan, updates)
@@ -77,22 +62,9 @@ def zero_nans() -> optax.GradientTransformation:
     `optax.ZeroNansState`, whose `found_nan` holds one scalar `bool` per leaf
     of the updates: `True` if that leaf held a NaN at the last `update`.
 
-    What it adds to `optax.zero_nans`:
-
-    - every updates leaf keeps its dtype and weak type, and `inf` is left as
-      it is: only NaN is replaced;
-    - the state always holds strongly typed scalar `bool` leaves, so its
-      avals never change from step to step, whatever a wrapper handed back;
-    - `None` leaves, `optax.MaskedNode`, integer leaves, Python numbers and
-      empty trees are accepted, with optax's results. `init` fixes the
-      state's structure: a `found_nan` entry per numeric params leaf, `None`
-      for a function or PRNG key; a `None` update records `False`;
-    - as in optax, the state is only a template: `update(updates, None)`
-      works, and updates of another tree get a `found_nan` of their own.
-
-    Two `zero_nans()` compare equal. Safe under `jax.jit`, `jax.vmap`,
-    `lax.scan` and `jax.grad` (a zeroed entry's gradient is zero).
-    Details: docs/zero_nans.md.
+    Unlike `optax.zero_nans`, every updates leaf keeps its dtype and weak
+    type, and the state's leaves are always strong scalar bools (`None` for
+    a function or PRNG key leaf). Details: docs/zero_nans.md.
 
     **Returns:**
 

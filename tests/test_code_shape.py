@@ -188,9 +188,11 @@ def test_modules_import_without_a_circle():
     assert "_accumulate/window" in graph and "_multi_steps" in graph
     assert find_cycle(graph) is None, find_cycle(graph)
     # `apply_gradients` is the top: only the package's `__init__` imports it,
-    # and `_nnx`, its form for an `nnx.Optimizer`, which nothing imports.
+    # and its forms for a Linen `TrainState` (`_linen`) and an `nnx.Optimizer`
+    # (`_nnx`, which nothing imports).
     assert sorted(m for m, deps in graph.items() if "_apply" in deps) == [
         "__init__",
+        "_linen",
         "_nnx",
     ]
     assert [m for m, deps in graph.items() if "_nnx" in deps] == ["__init__"]
