@@ -8,7 +8,8 @@ H200 and a TPU v5e deviceless where run in `.venv-deviceless`; with
     python benchmarks/whole_step.py [--backends cpu gpu tpu] [--out FILE]
         [--cases default|decoder]
     python benchmarks/whole_step.py --estimate --backends gpu tpu \
-        [--models mlp decoder gpt2-small] [--dtypes float32 bfloat16]
+        [--models mlp decoder gpt2-small] [--dtypes float32 bfloat16] \
+        [--launch-us 1]
 
 The steps and models are those of `tests/test_train_step_memory.py`,
 which asserts the bound; this prints the figures, at the sizes of the
@@ -18,33 +19,23 @@ issue that asked for them (an MLP of 4 x (2048, 2048), batch 8).
 
 `--estimate` (an estimate, not a measurement) compiles every form's
 whole step, and the loss and `jax.grad` alone, and costs each program
-from its compiled HLO; a two-branch conditional costs its cheaper branch
-on a mini-step and its dearer one on an emitting step, and a window of 4
-is 3 mini-steps and 1 emitting step (`emit=`: 3 `emit=False` steps and
-1 `emit=True` step).
-
-- H200 (`gpu`): each kernel of the entry computation (and of the branch
-  a step runs) takes max(FLOPs / peak, bytes / 4.8 TB/s). Bytes are its
-  operands' and result's, as `bytes_model.py` of the project's GPU notes
-  counts them; FLOPs are 2 x the output's elements x the contracted size
-  of each `dot` it runs. Peaks: the H200's dense tensor-core figures,
-  494.7 TFLOP/s for a float32 dot (JAX's default precision runs it in
-  TF32 on this GPU), 989.4 TFLOP/s for bfloat16, 66.9 TFLOP/s for any
-  other. No launch latency, every kernel at its peak: a lower bound that
-  favours no form.
-- TPU v5e (`tpu`): the sum of the `estimated_cycles` XLA:TPU's cost model
-  writes on each instruction of the entry computation (and of the branch
-  a step runs). Instructions without it (asynchronous copies and slices,
-  scalar ops, a gather and a scatter) count 0; the count is printed.
+from its compiled HLO with `benchmarks/step_cost.py`, whose docstring
+gives the method (H200: each kernel at max(FLOPs / peak, bytes / 4.8
+TB/s); TPU v5e: the sum of XLA's `estimated_cycles`). A two-branch
+conditional costs its cheaper branch on a mini-step and its dearer one on
+an emitting step, and a window of 4 is 3 mini-steps and 1 emitting step
+(`emit=`: 3 `emit=False` steps and 1 `emit=True` step). With
+`--launch-us US`, each H200 case also gives each form's kernels and their
+launches at US microseconds each (`step_cost.LAUNCH_US`: 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import platform
-import re
 import subprocess
 import sys
 
@@ -52,6 +43,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 TESTS = pathlib.Path(__file__).resolve().parents[1] / "tests"
 sys.path.insert(0, str(TESTS))
+# The repository root, for `benchmarks.step_cost`: last, so that an
+# optax_ext put first on the path (`--optimizer-step-check`) stays first.
+sys.path.append(str(TESTS.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -60,6 +54,8 @@ import test_train_step_memory as ts  # noqa: E402
 from _compiled import compile_step, unavailable  # noqa: E402
 
 import optax_ext  # noqa: E402
+from benchmarks import step_cost  # noqa: E402
+from benchmarks.step_cost import StepCost, program_cost  # noqa: E402
 
 COLUMNS = ["bare", "optax", "drop-in", "fused", "emit=False", "emit=True"]
 MLP = "mlp 4 x (2048, 2048), batch 8"
@@ -126,170 +122,21 @@ def ratio(backend, model, dtype, inner, accumulator, form):
 
 # --- device time estimated from the compiled HLO (`--estimate`) -------------
 
-H200_BYTES_PER_S = 4.8e12
-# The H200's dense peaks: tensor cores for float32 dots at JAX's default
-# precision (TF32) and for bfloat16 ones; CUDA cores otherwise.
-H200_PEAK = {"f32": 494.7e12, "bf16": 989.4e12, "f16": 989.4e12}
-H200_OTHER_PEAK = 66.9e12
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2}
-DTYPE_BYTES |= {"bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8}
-DTYPE_BYTES |= {"f64": 8}
-ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
-# Ops that launch no kernel and move no data of their own.
-FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
-FREE |= {"after-all", "opt-barrier", "partition-id", "replica-id"}
-FREE |= {"copy-start", "copy-done", "add-dependency"}
-INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) ([a-z][a-z\-]*)\((.*)$")
-
-
-def _arrays(shape_text):
-    """[(dtype, [dims])] of the arrays in an HLO shape."""
-    return [
-        (dtype, [int(d) for d in dims.split(",") if d])
-        for dtype, dims in ARRAY.findall(shape_text)
-    ]
-
-
-def _bytes_of(shape_text):
-    total = 0
-    for dtype, dims in _arrays(shape_text):
-        n = DTYPE_BYTES[dtype]
-        for d in dims:
-            n *= d
-        total += n
-    return total
-
-
-def _module(text):
-    """({computation: its instruction lines}, the entry's name, {name: shape})."""
-    comps, name, entry, shapes = {}, None, None, {}
-    for line in text.splitlines():
-        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if head and not line.startswith(" "):
-            name = head.group(2)
-            comps[name] = []
-            entry = name if head.group(1) else entry
-        elif name is not None and line.strip() and line.strip() != "}":
-            comps[name].append(line)
-            found = INSTRUCTION.match(line)
-            if found:
-                shapes[found.group(1)] = found.group(2)
-    return comps, entry, shapes
-
-
-def _dot_flops(comps, shapes, name, seen=None):
-    """FLOPs and the lhs dtype of every dot a computation runs, nested
-    computations included: [(flops, dtype)]."""
-    seen = set() if seen is None else seen
-    found = []
-    for line in comps.get(name, []):
-        m = INSTRUCTION.match(line)
-        if not m:
-            continue
-        _, out, op, rest = m.groups()
-        if op == "dot" or (op == "custom-call" and "__cublas" in rest):
-            lhs = re.match(r"\s*%?([\w.\-]+)", rest).group(1)
-            (lhs_dtype, lhs_dims), *_ = _arrays(shapes.get(lhs, "")) or [("f32", [])]
-            if op == "dot":
-                dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest).group(1)
-                contracting = [int(d) for d in dims.split(",") if d]
-            else:
-                dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', rest)
-                contracting = [int(d.strip('" ')) for d in dims.group(1).split(",")]
-            k = 1
-            for d in contracting:
-                k *= lhs_dims[d]
-            out_elements = 1
-            for d in _arrays(out)[0][1]:
-                out_elements *= d
-            found.append((2 * out_elements * k, lhs_dtype))
-        for called in re.findall(r"calls=%?([\w.\-]+)", rest):
-            if called not in seen:
-                seen.add(called)
-                found += _dot_flops(comps, shapes, called, seen)
-    return found
-
-
-def _gpu_kernel(comps, shapes, line, out, op, rest):
-    """(seconds, FLOPs, bytes) of one H200 kernel."""
-    operands = rest.split("), ")[0] if "), " in rest else rest
-    moved = _bytes_of(out) + sum(
-        _bytes_of(shapes.get(r, "")) for r in re.findall(r"%([\w.\-]+)", operands)
-    )
-    flops = [
-        f
-        for called in re.findall(r"calls=%?([\w.\-]+)", rest)
-        for f in _dot_flops(comps, shapes, called)
-    ]
-    if op == "custom-call":
-        flops += _dot_flops({"one": [line]}, shapes, "one")
-    compute = sum(f / H200_PEAK.get(dtype, H200_OTHER_PEAK) for f, dtype in flops)
-    return max(compute, moved / H200_BYTES_PER_S), sum(f for f, _ in flops), moved
-
-
-def _tpu_kernel(line):
-    found = re.search(r'"estimated_cycles":"(\d+)"', line)
-    return (int(found.group(1)), 0, 0) if found else None
-
-
-def program_cost(text, backend, pick):
-    """(cost, FLOPs, bytes, instructions without a cost) of running the
-    compiled program once: seconds on the H200, cycles on the TPU v5e.
-    `pick` chooses among a conditional's branches' costs (min: a
-    mini-step; max: an emitting step)."""
-    comps, entry, shapes = _module(text)
-    missing = [0]
-
-    def run(name):
-        total = [0.0, 0, 0]
-        for line in comps[name]:
-            m = INSTRUCTION.match(line)
-            if not m:
-                continue
-            _, out, op, rest = m.groups()
-            if op in FREE:
-                continue
-            if op == "conditional":
-                found = re.findall(r"branch_computations=\{([^}]*)\}", rest)
-                names = re.findall(r"%?([\w.\-]+)", found[0]) if found else []
-                names += re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", rest)
-                costs = [run(n) for n in names]
-                chosen = pick(costs, key=lambda c: c[0])
-                total = [a + b for a, b in zip(total, chosen, strict=True)]
-                continue
-            if op in ("while", "call"):
-                body = re.search(r"(?:body|to_apply)=%?([\w.\-]+)", rest)
-                if body:
-                    total = [
-                        a + b for a, b in zip(total, run(body.group(1)), strict=True)
-                    ]
-                continue
-            if backend == "gpu":
-                cost = _gpu_kernel(comps, shapes, line, out, op, rest)
-            else:
-                cost = _tpu_kernel(line)
-                if cost is None:
-                    missing[0] += 1
-                    continue
-            total = [a + b for a, b in zip(total, cost, strict=True)]
-        return total
-
-    cost, flops, moved = run(entry)
-    return cost, flops, moved, missing[0]
-
-
-# The programs of a window of 4, per form: (program, branch pick) per step.
+# Each form's window of 4: its mini-step's program, its emitting step's
+# program and the branch that one runs (`StepCost`: 3 mini-steps, 1 emitting).
 WINDOW_OF = {
-    "bare": [("bare", min)] * 4,
-    "optax": [("optax", min)] * 3 + [("optax", max)],
-    "drop-in": [("drop-in", min)] * 3 + [("drop-in", max)],
-    "fused": [("fused", min)] * 3 + [("fused", max)],
-    "emit=": [("emit=False", min)] * 3 + [("emit=True", max)],
+    "bare": ("bare", "bare", min),
+    "optax": ("optax", "optax", max),
+    "drop-in": ("drop-in", "drop-in", max),
+    "fused": ("fused", "fused", max),
+    "emit=": ("emit=False", "emit=True", max),
 }
 
 
-def estimate(backend, model, dtype, inner="adamw"):
-    """The estimate table's lines for one case on `backend`."""
+def estimate(backend, model, dtype, inner="adamw", launch_us=None):
+    """The estimate table's lines for one case on `backend`; with
+    `launch_us` on the H200, then each form's kernels and their launches
+    at `launch_us` each (`step_cost.table`)."""
     programs = ["grads", "bare", "optax", "drop-in", "fused", "emit=False", "emit=True"]
     cost, temp = {}, {}
     for form in programs:
@@ -299,28 +146,37 @@ def estimate(backend, model, dtype, inner="adamw"):
         text = compiled.as_text()
         for pick in (min, max):
             cost[form, pick] = program_cost(text, backend, pick)
-        temp[form] = compiled.memory_analysis().temp_size_in_bytes / ts._bytes(params)
-        print(f"  {form}: {cost[form, min]} / {cost[form, max]}", file=sys.stderr)
+        temp[form] = compiled.memory_analysis().temp_size_in_bytes
+        print(
+            f"  {form}: {cost[form, min][:4]} / {cost[form, max][:4]}", file=sys.stderr
+        )
+    name = {"gpu": "H200", "tpu": "TPU v5e"}[backend]
+    window = {
+        f: StepCost(
+            name, 4, cost[mini, min], cost[emit, pick], (temp[mini], temp[emit])
+        )
+        for f, (mini, emit, pick) in WINDOW_OF.items()
+    }
     unit, scale = ("us", 1e6) if backend == "gpu" else ("k cycles", 1e-3)
     grads = cost["grads", min][0]
-    window = {f: sum(cost[p, k][0] for p, k in steps) for f, steps in WINDOW_OF.items()}
+    params_bytes = ts._bytes(params)
     lines = [
         f"| form | mini-step, {unit} | emitting step, {unit} | window of 4, {unit} "
         "| optax / form, window | optimizer's share of the window | temp / params |",
         "|---|---|---|---|---|---|---|",
     ]
-    for form, steps in WINDOW_OF.items():
-        (mini, k0), (emit, k1) = steps[0], steps[-1]
-        share = 1 - 4 * grads / window[form]
+    for form, (mini, emit, _) in WINDOW_OF.items():
+        w = window[form]
+        share = 1 - 4 * grads / w.cost
         mem = (
-            f"{temp[mini]:.3f}"
+            f"{temp[mini] / params_bytes:.3f}"
             if mini == emit
-            else f"{temp[mini]:.3f}, {temp[emit]:.3f}"
+            else f"{temp[mini] / params_bytes:.3f}, {temp[emit] / params_bytes:.3f}"
         )
-        first, last = cost[mini, k0][0] * scale, cost[emit, k1][0] * scale
+        first, last = w.mini.cost * scale, w.emitting.cost * scale
         lines.append(
             f"| {form} | {first:.1f} | {last:.1f} "
-            f"| {window[form] * scale:.1f} | {window['optax'] / window[form]:.2f} "
+            f"| {w.cost * scale:.1f} | {window['optax'].cost / w.cost:.2f} "
             f"| {share:.2f} | {mem} |"
         )
     g = cost["grads", min]
@@ -335,6 +191,17 @@ def estimate(backend, model, dtype, inner="adamw"):
         ),
         "",
     ]
+    if launch_us is not None and backend == "gpu":
+        window = {
+            f: dataclasses.replace(w, launch_us=launch_us) for f, w in window.items()
+        }
+        lines += [
+            f"With its kernel launches, {launch_us:g} us each (`step_cost.py`); "
+            f"the loss and `jax.grad` alone launch {g.kernels} kernels a step:",
+            "",
+            step_cost.table(window, "optax", params_bytes),
+            "",
+        ]
     return lines
 
 
@@ -447,6 +314,12 @@ def main():
     parser.add_argument("--estimate", action="store_true")
     parser.add_argument("--models", nargs="+", default=["mlp", "decoder"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument(
+        "--launch-us",
+        type=float,
+        help="with --estimate on the H200: each form's kernel launches too, "
+        f"at this many us each (step_cost.LAUNCH_US: {step_cost.LAUNCH_US:g})",
+    )
     parser.add_argument("--bits", action="store_true")
     parser.add_argument("--optimizer-step-check", action="store_true")
     parser.add_argument("--out")
@@ -494,7 +367,9 @@ def main():
                 for dtype in args.dtypes:
                     print(f"{name}, {MODEL_NAMES[model]}, {dtype}:", file=sys.stderr)
                     lines += [f"### {name}, {MODEL_NAMES[model]}, {dtype}, adamw", ""]
-                    lines += estimate(backend, MODEL_NAMES[model], dtype)
+                    lines += estimate(
+                        backend, MODEL_NAMES[model], dtype, launch_us=args.launch_us
+                    )
                     print("\n".join(lines[-12:]), flush=True)
             continue
         for model, dtype, inner, acc in CASE_SETS[args.cases]:
