@@ -92,6 +92,56 @@ def pytest_configure(config):
         config.option.dist = "worksteal"
 
 
+# `pytest -n 2 --quick tests`: the public contracts, for a check in
+# minutes while changing code (README). Each file tests public names
+# against their references; the README's blocks are the front page's
+# promise. Left out: the child runs (other devices, JAX versions and
+# targets), compiled memory and HLO, docs pages, aliases one by one,
+# upstream optax's own failures and the code's shape.
+QUICK = {
+    "test_multi_steps.py",
+    "test_zero_nans.py",
+    "test_inject.py",
+    "test_apply.py",
+    "test_emit.py",
+    "test_weighted.py",
+    "test_microbatched.py",
+    "test_skip_when.py",
+    "test_stop_gradient.py",
+    "test_compose.py",
+    "test_equality.py",
+    "test_nnx.py",
+    "test_linen.py",
+    "test_drop_in_claims.py",
+    "test_docs.py::test_python_blocks_of_page_run_in_order[README.md]",
+}
+# Tests of those files that `--quick` leaves out all the same: compiled memory.
+NOT_QUICK = {"test_apply.py::test_fused_step_has_no_params_sized_temporary"}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="run only the public contracts (tests/conftest.py QUICK): minutes",
+    )
+
+
+def _keep_quick(config, items):
+    """With `--quick`, deselects every test outside QUICK."""
+    if not config.getoption("quick"):
+        return
+    kept, dropped = [], []
+    for item in items:
+        path, _, test = item.nodeid.partition("::")
+        file = path.rpartition("/")[2]
+        quick = file in QUICK or f"{file}::{test}" in QUICK
+        quick = quick and f"{file}::{test.partition('[')[0]}" not in NOT_QUICK
+        (kept if quick else dropped).append(item)
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """The long tests first (`_long_first`), after `-k`, `-m` and
@@ -102,6 +152,7 @@ def pytest_collection_modifyitems(config, items):
     tests to where a worker will soon ask for them.)"""
     workerinput = getattr(config, "workerinput", None)
     workers = 1 if workerinput is None else int(workerinput["workercount"])
+    _keep_quick(config, items)
     _long_first(items, workers)
     _skip_multidevice(items)
 

@@ -58,7 +58,7 @@ def test_the_hook_deals_over_the_workers(worker):
     )
     for item in (*short, first, second):
         item.get_closest_marker = lambda name: None
-    config = types.SimpleNamespace()
+    config = types.SimpleNamespace(getoption=lambda name: False)
     if worker:
         config.workerinput = {"workercount": 2}
     items = short[:3] + [second] + short[3:6] + [first] + short[6:]
@@ -68,6 +68,48 @@ def test_the_hook_deals_over_the_workers(worker):
         assert items == [first] + short[:4] + [second] + short[4:]
     else:
         assert items == [first, second] + short
+
+
+def test_every_quick_entry_names_a_test_of_the_suite():
+    """A renamed file or test would silently leave `--quick`."""
+    for name in conftest.QUICK | conftest.NOT_QUICK:
+        file, _, test = name.partition("::")
+        assert (TESTS / file).exists(), f"{name}: no such file"
+        function = test.partition("[")[0]
+        if function:
+            tree = ast.parse((TESTS / file).read_text())
+            defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+            assert function in defined, f"{name}: no such test function"
+
+
+def test_quick_keeps_the_quick_files_and_tests_only():
+    kept = [
+        types.SimpleNamespace(nodeid="tests/test_multi_steps.py::test_a[x/y]"),
+        types.SimpleNamespace(
+            nodeid="tests/test_docs.py::test_python_blocks_of_page_run_in_order"
+            "[README.md]"
+        ),
+    ]
+    dropped = [
+        types.SimpleNamespace(
+            nodeid="tests/test_apply.py::test_fused_step_has_no_params_sized_temporary"
+            "[300-x]"
+        ),
+        types.SimpleNamespace(nodeid="tests/test_docs.py::test_other"),
+        types.SimpleNamespace(nodeid="tests/test_hlo.py::test_a"),
+    ]
+    seen = []
+    config = types.SimpleNamespace(
+        getoption=lambda name: name == "quick",
+        hook=types.SimpleNamespace(pytest_deselected=lambda items: seen.extend(items)),
+    )
+    items = [dropped[0], kept[0], dropped[1], kept[1], dropped[2]]
+    conftest._keep_quick(config, items)
+    assert items == kept and seen == dropped
+    config.getoption = lambda name: False
+    items = [dropped[0], kept[0]]
+    conftest._keep_quick(config, items)
+    assert items == [dropped[0], kept[0]]
 
 
 def _config(dist, args, distload=False):
