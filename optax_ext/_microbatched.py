@@ -256,9 +256,9 @@ def microbatched(
     def wrapped(*args: Any, **kwargs: Any) -> PyTree:
         _check_call(settings, args)
         run, split_args, split_kwargs = _split_modules(settings, args, kwargs)
-        out = run_on_devices(run, axis_name, split_args, split_kwargs)
+        out, carried = run_on_devices(run, axis_name, split_args, split_kwargs)
         if run.modules is not None:
-            run.modules.write_back(split_args, split_kwargs)
+            run.modules.write_back(split_args, split_kwargs, carried)
         return out
 
     # Not `functools.wraps`: `eqx.filter_jit` takes `__wrapped__` for a transform.

@@ -16,14 +16,7 @@ from jaxtyping import PyTree
 
 from ._accumulate.accumulator import reduce_across
 from ._accumulate.arithmetic import work_dtype
-from ._microbatched_loop import (
-    GradientRows,
-    Looped,
-    LoopSettings,
-    Rows,
-    accumulate,
-    is_combined,
-)
+from ._microbatched_loop import GradientRows, Looped, LoopSettings, Rows, accumulate
 from ._sharding import axis_names, manual_axes, shards_over, typed_sharding
 from ._tree import cast_like
 
@@ -65,10 +58,11 @@ def _batch_spec(args: tuple, argnums: tuple[int, ...]) -> tuple[Any, Any]:
 
 def run_on_devices(
     settings: LoopSettings, axis_name: Hashable | None, args: tuple, kwargs: dict
-) -> PyTree:
-    """`microbatched`'s result, the loop run where the batch lies."""
+) -> tuple[PyTree, dict]:
+    """`microbatched`'s result, the loop run where the batch lies, and the
+    NNX module leaves the loop carried (`ModuleCarry`)."""
     if axis_name is not None and _is_manual(axis_name):
-        return _run(settings, axis_name, args, kwargs)[0]
+        return _joined(*_run(settings, axis_name, args, kwargs))
     spec, mesh = _batch_spec(args, settings.batch_argnums)
     if spec is not None and axis_name is not None:
         split = axis_names(spec)
@@ -92,8 +86,8 @@ def run_on_devices(
     others = [a for i, a in enumerate(args) if i not in settings.batch_argnums]
     if spec is None or shards_over((others, kwargs), spec):  # FSDP params
         regather = jax.device_count() > 1
-        return _run(settings, None, args, kwargs, regather=regather)[0]
-    return _in_shard_map(settings, mesh, spec, args, kwargs)
+        return _joined(*_run(settings, None, args, kwargs, regather=regather))
+    return _in_shard_map(settings, mesh, spec, args, kwargs), {}
 
 
 def _run(
@@ -103,8 +97,10 @@ def _run(
     kwargs: dict,
     *,
     regather: bool = False,
-) -> tuple[PyTree, list[bool]]:
-    """The output after the loop and reduction, and which combined leaves are rows."""
+) -> tuple[PyTree, PyTree, PyTree, dict]:
+    """The output after the loop and reduction, as its per-example rows, its
+    other arrays (each `None` in the other's places) and the rest; and the
+    NNX module leaves the loop carried."""
     looped = accumulate(settings, axis_name, args, kwargs, regather=regather)
     values, total = _across_devices(looped, axis_name)
     results = []
@@ -116,7 +112,21 @@ def _run(
         results.append(cast_like(a, s))
     tree = jax.tree_util.tree_unflatten(looped.treedef, results)
     rows = [isinstance(kind, Rows) for kind in looped.kinds]
-    return eqx.combine(tree, looped.static), rows
+    rows = jax.tree_util.tree_unflatten(looped.treedef, rows)
+    return *eqx.partition(tree, rows), looped.static, looped.carried
+
+
+def _joined(rows: PyTree, others: PyTree, static: PyTree, carried: dict) -> tuple:
+    return eqx.combine(rows, others, static), carried
+
+
+@jax.tree_util.register_static
+class _Static:
+    """The output's parts that are not arrays, out of `jax.shard_map` as
+    the structure of its output (a pytree node without leaves)."""
+
+    def __init__(self, value: PyTree):
+        self.value = value
 
 
 def _batch_share(
@@ -166,29 +176,21 @@ def _in_shard_map(
     dyn_args, dyn_kwargs = dynamic
     batch = settings.batch_argnums
     in_specs = tuple(P(spec) if i in batch else P() for i in range(len(dyn_args)))
-    out_static, out_def, per_example = [], [], []
     count = settings.num_real_microbatches
     traced_count = isinstance(count, jax.Array)
 
     def local(dyn_args, dyn_kwargs, count):
         args, kwargs = eqx.combine((dyn_args, dyn_kwargs), static)
         here = settings._replace(num_real_microbatches=count)
-        out, rows_flags = _run(here, spec, tuple(args), kwargs)
-        per_example.extend(rows_flags)
-        dyn_out, static_out = eqx.partition(out, is_combined)
-        out_static.append(static_out)
-        leaves, treedef = jax.tree.flatten(dyn_out)
-        out_def.append(treedef)
-        reduced = [x for x, c in zip(leaves, rows_flags, strict=True) if not c]
-        rows = [x for x, c in zip(leaves, rows_flags, strict=True) if c]
-        return reduced, rows
+        rows, others, out_static, _ = _run(here, spec, tuple(args), kwargs)
+        return rows, others, _Static(out_static)  # nothing carried: refused
 
     try:
-        reduced, rows = jax.shard_map(
+        rows, others, out_static = jax.shard_map(
             lambda a, k, c: local(a, k, c if traced_count else count),
             mesh=mesh,
             in_specs=(in_specs, P(), P()),
-            out_specs=(P(), P(spec)),
+            out_specs=(P(spec), P(), P()),
             axis_names=set(axes),
         )(tuple(dyn_args), dyn_kwargs, count if traced_count else 0)
     except NotImplementedError as error:
@@ -196,6 +198,4 @@ def _in_shard_map(
             raise
         first = str(error).splitlines()[0]
         raise ValueError(_MSG_CLOSED_OVER.format(axes, first)) from None
-    reduced_it, rows_it = iter(reduced), iter(rows)
-    leaves = [next(rows_it) if c else next(reduced_it) for c in per_example]
-    return eqx.combine(jax.tree.unflatten(out_def[0], leaves), out_static[0])
+    return eqx.combine(rows, others, out_static.value)

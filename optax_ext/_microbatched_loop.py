@@ -63,6 +63,7 @@ class Looped(NamedTuple):
     structs: list[jax.ShapeDtypeStruct]  # per leaf: output on one micro-batch
     treedef: Any  # the structure of the combined leaves
     static: PyTree  # the rest of the output (non-arrays, float0), as given
+    carried: dict  # the NNX module leaves grad_fn sets, by index, after the loop
 
 
 def is_float0(x: Any) -> bool:
@@ -293,18 +294,19 @@ class _MicroBatches:
 
     def call(self, j: Any, carried: Any = None, fn: Any = None, cut: Any = None) -> Any:
         """`grad_fn` (or `fn`) on micro-batch `j` (or the arguments `cut`), and
-        the module leaves it set (`carried`: as the micro-batch before left them)."""
+        the module leaves it set (`carried`: as the micro-batch before left
+        them; None: as given, the leaves found, see `ModuleCarry.call`)."""
         args, kwargs = cut or self.cut(j)
         fn, modules = fn or self.settings.grad_fn, self.settings.modules
         if modules is None:
-            return fn(*args, **kwargs), []
+            return fn(*args, **kwargs), {}
         return modules.call(fn, tuple(args), kwargs, carried)
 
     def reads_arguments(self, j: jax.Array) -> list[bool]:
         """For each combined output leaf: whether it is computed from the
         micro-batch's arguments (a dataflow walk of grad_fn's jaxpr)."""
         dynamic, static = eqx.partition(self.cut(j), eqx.is_array)
-        run = lambda d: self.call(j, [], None, eqx.combine(d, static))[0]
+        run = lambda d: self.call(j, {}, None, eqx.combine(d, static))[0]
         jaxpr = jax.make_jaxpr(lambda d: eqx.filter(run(d), is_combined))(dynamic)
         live = {id(v) for v in jaxpr.jaxpr.invars}
         for eqn in jaxpr.jaxpr.eqns:
@@ -312,7 +314,7 @@ class _MicroBatches:
                 live.update(id(v) for v in eqn.outvars)
         return [id(v) in live for v in jaxpr.jaxpr.outvars]
 
-    def weight(self, j: jax.Array, carried: list) -> jax.Array:
+    def weight(self, j: jax.Array, carried: dict) -> jax.Array:
         assert self.settings.weight_fn is not None
         return _check_weight(self.call(j, carried, self.settings.weight_fn)[0])
 
@@ -329,10 +331,8 @@ def _body(micro, kinds, dtype, j, carry):
         weight_sum = terms.total
         weights = lax.dynamic_update_index_in_dim(weights, w, j, axis=0)
     out, changed = micro.call(j, carried)
-    changed = [
-        lax.convert_element_type(c, jnp.result_type(o))
-        for c, o in zip(changed, carried, strict=True)
-    ]
+    cast = lambda c, o: lax.convert_element_type(c, jnp.result_type(o))  # noqa: E731
+    changed = jax.tree.map(cast, changed, carried)
     combined = eqx.filter(out, is_combined)
     outs = jax.tree.leaves(combined)
     if len(outs) != len(acc):
@@ -362,9 +362,9 @@ def accumulate(
     """The loop on this device's rows."""
     k = settings.num_microbatches
     micro = _MicroBatches(settings, axis_name, args, kwargs, regather)
-    out_shape = eqx.filter_eval_shape(lambda j: micro.call(j)[0], jnp.int32(0))
+    out_shape, changed = eqx.filter_eval_shape(micro.call, jnp.int32(0))
     modules = settings.modules
-    carried = [] if modules is None else modules.initial(micro, axis_name)
+    carried = {} if modules is None else modules.initial(micro, axis_name, changed)
     kinds, acc_dtypes, structs, treedef, static = _plan_outputs(
         out_shape, settings, rows=micro.rows
     )
@@ -381,7 +381,6 @@ def accumulate(
     acc, weight_sum, weights, carried = lax.fori_loop(
         0, bound, lambda j, carry: _body(micro, kinds, dtype, j, carry), init
     )
-    if modules is not None:
-        modules.final = carried
     weights = weights if weighted else None
-    return Looped(kinds, acc, weight_sum, weights, bound, structs, treedef, static)
+    looped = kinds, acc, weight_sum, weights, bound, structs, treedef, static
+    return Looped(*looped, carried)

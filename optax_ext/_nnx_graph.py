@@ -52,21 +52,20 @@ def split_graph_nodes(
 
 class ModuleCarry:
     """The state leaves of the split modules that `grad_fn` sets (BatchNorm's
-    statistics, an `nnx.Rngs` count): found on its first trace, carried
+    statistics, an `nnx.Rngs` count), by their index among the state's
+    leaves: found by a trace of one call, whose result they are; carried
     through the loop, written back into the modules after it."""
 
     def __init__(self, originals: dict[int | str, Any]):
         self.originals = originals
-        self.changed: list[int] = []
-        self.final: list[Any] = []
 
     def _node(self, args: tuple, kwargs: dict) -> SplitNodes:
         return _by_key(args, kwargs)[next(iter(self.originals))]
 
-    def initial(self, micro: Any, axis_name: Any) -> list[Any]:
-        """The leaves `grad_fn` sets, as they came in; refused per device,
-        where each device would set them its own way."""
-        if self.changed and axis_name is not None:
+    def initial(self, micro: Any, axis_name: Any, changed: dict) -> dict:
+        """The leaves `grad_fn` sets (the keys of `changed`), as they came in;
+        refused per device, where each device would set them its own way."""
+        if changed and axis_name is not None:
             raise ValueError(
                 f"microbatched, per device over {axis_name!r}: grad_fn changes the "
                 "state of an NNX module it is passed (BatchNorm's statistics, an "
@@ -74,33 +73,32 @@ class ModuleCarry:
                 "Keep such state out of the module there."
             )
         leaves = jax.tree.leaves(self._node(micro.args, micro.kwargs).state)
-        return [leaves[i] for i in self.changed]
+        return {i: leaves[i] for i in changed}
 
-    def _state(self, node: SplitNodes, values: list | None) -> Any:
+    def _state(self, node: SplitNodes, values: dict) -> Any:
         """`node`'s state with the leaves `grad_fn` sets taken from `values`."""
         leaves, treedef = jax.tree.flatten(node.state)
-        for i, value in zip(self.changed, values or [], strict=False):
-            leaves[i] = value
+        leaves = [values.get(i, leaf) for i, leaf in enumerate(leaves)]
         return jax.tree.unflatten(treedef, leaves)
 
-    def call(self, fn: Callable, args: tuple, kwargs: dict, carried: list | None):
+    def call(self, fn: Callable, args: tuple, kwargs: dict, carried: dict | None):
         """`fn` on the arguments, the modules merged with the `carried`
-        leaves (`None`: as they came in, the first trace, which finds the
-        leaves `fn` sets); `fn`'s output and those leaves after it."""
+        leaves; `fn`'s output and those leaves after it (`carried` None: the
+        modules as they came in, and the leaves `fn` sets, found by identity)."""
         nnx, node = sys.modules["flax.nnx"], self._node(args, kwargs)
-        merged = nnx.merge(node.graphdef, self._state(node, carried))
+        merged = nnx.merge(node.graphdef, self._state(node, carried or {}))
         at = dict(zip(node.keys, merged, strict=True))
         positional = (at.get(i, a) for i, a in enumerate(args))
         out = fn(*positional, **{k: at.get(k, v) for k, v in kwargs.items()})
         after = jax.tree.leaves(nnx.as_pure(nnx.state(merged)))
-        if carried is None:
-            self.changed = _set_leaves(node.state, after)
-        return out, [after[i] for i in self.changed]
+        keys = _set_leaves(node.state, after) if carried is None else carried
+        return out, {i: after[i] for i in keys}
 
-    def write_back(self, args: tuple, kwargs: dict) -> None:
-        """The carried leaves written into the modules as they were given."""
-        if self.changed:
-            state = self._state(self._node(args, kwargs), self.final)
+    def write_back(self, args: tuple, kwargs: dict, carried: dict) -> None:
+        """The `carried` leaves, after the loop, written into the modules as
+        they were given."""
+        if carried:
+            state = self._state(self._node(args, kwargs), carried)
             sys.modules["flax.nnx"].update(tuple(self.originals.values()), state)
 
 

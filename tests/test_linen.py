@@ -123,7 +123,8 @@ def assert_moved(windows):
     compare equal to a run that did nothing."""
     before = leaves(PARAMS)
     for params in windows:
-        assert any(not np.array_equal(a, b) for a, b in zip(params, before))
+        pairs = zip(params, before, strict=True)
+        assert any(not np.array_equal(a, b) for a, b in pairs)
         before = params
 
 

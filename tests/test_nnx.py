@@ -503,6 +503,38 @@ def test_microbatched_keeps_a_module_shared_by_two_arguments_shared():
     assert int(model.n[...]) == int(reference.n[...]) == 8
 
 
+def test_microbatched_keeps_no_trace_state_on_its_objects(monkeypatch):
+    """What a trace finds (the leaves `grad_fn` sets) and the loop's output
+    are values passed on, not kept on the objects a call builds: each
+    call's module carry is as built after `jax.eval_shape` and `jax.jit`
+    of a step that calls it, and both give the count of `k` calls."""
+    from optax_ext import _microbatched
+
+    made = []
+
+    class Recorded(_microbatched.ModuleCarry):
+        def __init__(self, originals):
+            super().__init__(originals)
+            made.append((self, dict(vars(self))))
+
+    monkeypatch.setattr(_microbatched, "ModuleCarry", Recorded)
+    graphdef, state = nnx.split(Counter())
+    run = optax_ext.microbatched(lambda m, x: jnp.mean(m(x)), 4)
+
+    def step(state, x):
+        model = nnx.merge(graphdef, state)
+        return run(model, x), nnx.state(model)
+
+    x = np.ones((16, 3), np.float32)
+    (n,) = jax.tree.leaves(jax.eval_shape(lambda *a: step(*a), state, x)[1]["n"])
+    assert n.dtype == jnp.int32  # another function: another trace than the jit's
+    assert int(jax.jit(step)(state, x)[1]["n"][...]) == 4
+    assert len(made) == 2
+    for carry, built in made:
+        assert vars(carry).keys() == built.keys()
+        assert all(vars(carry)[name] is value for name, value in built.items())
+
+
 @pytest.mark.parametrize("change", ["dtype", "shape"])
 def test_microbatched_refuses_module_state_of_another_type(change):
     """State the forward pass gives another dtype or shape cannot ride in
