@@ -190,25 +190,31 @@ def timer(programs: list, buffers: list, data):
     return call
 
 
-def whole_case(dtype: str, quick: bool, n_steps: int, rounds: int, model=None) -> dict:
+def whole_case(
+    dtype: str, quick: bool, n_steps: int, rounds: int, model=None, extra=None
+) -> dict:
     """ms per step over windows of 4 (host loop), temporary and compiled
     peak MiB of each form's whole train step, and the device's peak;
-    `model(dtype, quick)` gives (params, loss, batch), `mlp` by default."""
+    `model(dtype, quick)` gives (params, loss, batch), `mlp` by default.
+    `extra(params, loss, batch)`: more forms, timed with the others, as
+    {name: (init, the steps of one window of 4 batches, their data)}; e.g.
+    one step taking a global batch of 4 batches (`microbatched`)."""
     params, loss, batch = (model or mlp)(dtype, quick)
-    steps = whole_steps(loss, dtype)
+    steps = {n: (*s, batch) for n, s in whole_steps(loss, dtype).items()}
+    steps |= extra(params, loss, batch) if extra else {}
     compiled = {}
-    for init, window in steps.values():
+    for init, window, data in steps.values():
         for step in window:
             if step not in compiled:
                 state = jax.eval_shape(init, params)
                 jitted = jax.jit(step, donate_argnums=(0, 1))
-                compiled[step] = jitted.lower(params, state, batch).compile()
+                compiled[step] = jitted.lower(params, state, data).compile()
 
     calls = {}
-    for name, (init, window) in steps.items():
+    for name, (init, window, data) in steps.items():
         copy = jax.tree.map(jnp.copy, params)
         programs = [compiled[step] for step in window] * (n_steps // WINDOW)
-        calls[name] = timer(programs, [copy, init(copy)], batch)
+        calls[name] = timer(programs, [copy, init(copy)], data)
     times = {name: [call()] for name, call in calls.items()}  # warm-up
     order, rng = list(calls), random.Random(0)
     for _ in range(rounds):
@@ -224,8 +230,10 @@ def whole_case(dtype: str, quick: bool, n_steps: int, rounds: int, model=None) -
     peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     return {
         "ms": {name: 1e3 * median(t[1:]) / n_steps for name, t in times.items()},
-        "temp_mib": {n: max(mib(s, False) for s in w) for n, (_, w) in steps.items()},
-        "peak_mib": {n: max(mib(s, True) for s in w) for n, (_, w) in steps.items()},
+        "temp_mib": {
+            n: max(mib(s, False) for s in w) for n, (_, w, _) in steps.items()
+        },
+        "peak_mib": {n: max(mib(s, True) for s in w) for n, (_, w, _) in steps.items()},
         "device_peak_gib": None if peak is None else round(peak / 2**30, 2),
     }
 

@@ -56,7 +56,11 @@ not a measurement:
   the chip as one: no launch term.
 - A window of `window` steps is `window` - 1 mini-steps and 1 emitting
   step. A two-branch conditional costs its cheaper branch on a mini-step
-  and its dearer one on the emitting step; a loop's body counts once.
+  and its dearer one on the emitting step; a loop's body counts as many
+  times as the loop runs (`microbatched`'s loop over its micro-batches):
+  XLA's `known_trip_count`, else a `counter < N` condition on a counter
+  starting from a constant, else once; its condition is not counted. A
+  program that runs a whole window itself (`microbatched`): `window=1`.
   Where the host chooses (`apply_gradients(..., emit=)`), pass the
   `emit=False` program as the step and the `emit=True` one as `emitting`.
 """
@@ -206,6 +210,47 @@ def _gpu_kernel(comps, shapes, line, out, op, rest):
     return max(compute, moved / H200_BYTES_PER_S), sum(f for f, _ in flops), moved
 
 
+def _trip_count(comps, rest) -> int:
+    """The times a `while` (its text after `while(`) runs its body: XLA's
+    `known_trip_count` (XLA:CPU and XLA:GPU write it), else read from the
+    loop (XLA:TPU does not): a condition `counter < constant N` on a tuple
+    element whose initial value is a constant S, stepping by 1, runs N - S
+    times. 1 where neither says."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+    if known:
+        return int(known.group(1))
+    lines = {}
+    for body in comps.values():
+        for line in body:
+            found = INSTRUCTION.match(line)
+            if found:
+                lines[found.group(1)] = line
+    cond = re.search(r"condition=%?([\w.\-]+)", rest)
+    root = [x for x in comps.get(cond.group(1) if cond else "", []) if "ROOT" in x]
+    test = re.search(r"compare\(%?([\w.\-]+), %?([\w.\-]+)\), direction=LT", *root[:1])
+    if not test:
+        return 1
+
+    def constant(name):
+        line = lines.get(name, "")  # through copies to a constant
+        while re.search(r"= \S+ copy\(", line):
+            line = lines.get(re.search(r"copy\(%?([\w.\-]+)\)", line).group(1), "")
+        found = re.search(r"= \S+ constant\((-?\d+)\)", line)
+        return int(found.group(1)) if found else None
+
+    index = re.search(r"get-tuple-element\(.*index=(\d+)", lines.get(test.group(1), ""))
+    end = constant(test.group(2))
+    init = re.match(r"%?([\w.\-]+)\)", rest)
+    tuple_line = lines.get(init.group(1), "") if init else ""
+    operands = re.search(r"tuple\((.*?)\)(?:,|$)", tuple_line)
+    if not (index and end is not None and operands):
+        return 1
+    names = re.sub(r"/\*index=\d+\*/", "", operands.group(1)).split(",")
+    i = int(index.group(1))
+    start = constant(names[i].strip().lstrip("%")) if i < len(names) else None
+    return end - start if start is not None and end > start else 1
+
+
 def _tpu_kernel(line):
     found = re.search(r'"estimated_cycles":"(\d+)"', line)
     return (int(found.group(1)), 0, 0) if found else None
@@ -253,9 +298,11 @@ def program_cost(program, target: str, pick: Callable = min) -> ProgramCost:
                 continue
             if op in ("while", "call"):
                 body = re.search(r"(?:body|to_apply)=%?([\w.\-]+)", rest)
+                times = _trip_count(comps, rest) if op == "while" else 1
                 if body:
                     total = [
-                        a + b for a, b in zip(total, run(body.group(1)), strict=True)
+                        a + b * times
+                        for a, b in zip(total, run(body.group(1)), strict=True)
                     ]
                 continue
             if backend == "gpu":

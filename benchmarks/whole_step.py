@@ -10,6 +10,8 @@ H200 and a TPU v5e deviceless where run in `.venv-deviceless`; with
     python benchmarks/whole_step.py --estimate --backends gpu tpu \
         [--models mlp decoder gpt2-small] [--dtypes float32 bfloat16] \
         [--launch-us 1]
+    python benchmarks/whole_step.py --microbatched [--estimate] \
+        [--backends cpu gpu tpu] [--models mlp decoder] [--out FILE [--append]]
 
 The steps and models are those of `tests/test_train_step_memory.py`,
 which asserts the bound; this prints the figures, at the sizes of the
@@ -27,6 +29,16 @@ an emitting step, and a window of 4 is 3 mini-steps and 1 emitting step
 (`emit=`: 3 `emit=False` steps and 1 `emit=True` step). With
 `--launch-us US`, each H200 case also gives each form's kernels and their
 launches at US microseconds each (`step_cost.LAUNCH_US`: 1).
+
+`--microbatched` gives `optax_ext.microbatched(jax.grad(loss), 4)` beside
+optax.MultiSteps, float32, adamw: one jitted step takes a global batch of
+4 of the model's batches, loops over them, then runs the bare optimizer's
+step (params and state donated). It replaces a window of 4 optax steps:
+its temporary memory over the params' bytes beside optax's step's, and
+with `--estimate` one run of its program (`StepCost` with `window=1`,
+its loop's body counted once per micro-batch) against optax's window of
+4, on the H200 with and without the launch term (`--launch-us`, else
+`step_cost.LAUNCH_US`) and in TPU v5e cycles. `--append` adds to `--out`.
 """
 
 from __future__ import annotations
@@ -101,6 +113,18 @@ def compiled_step(backend, model, dtype, inner, accumulator, form):
     """(the form's whole train step compiled for `backend`, the params);
     form `grads`: the loss and `jax.grad` alone, returning the gradients."""
     params, loss, batch = _model(model, jnp.dtype(dtype))
+    if form == "microbatched":
+        tx = ts.INNER[inner][0]()
+        grads = optax_ext.microbatched(jax.grad(loss), ts.K)
+
+        def step(params, state, global_batch):
+            updates, state = tx.update(grads(params, global_batch), state, params)
+            return optax.apply_updates(params, updates), state
+
+        global_batch = jnp.concatenate([batch] * ts.K)
+        state = jax.eval_shape(tx.init, params)
+        compiled = ts.compile_train_step(backend, step, params, state, global_batch, [])
+        return compiled, params
     if form == "grads":
 
         def step(params, state, batch):
@@ -202,6 +226,131 @@ def estimate(backend, model, dtype, inner="adamw", launch_us=None):
             step_cost.table(window, "optax", params_bytes),
             "",
         ]
+    return lines
+
+
+# The forms `--microbatched` compares, and how many runs of each one's
+# program a window of 4 batches takes (`microbatched`: one call a window).
+MICROBATCHED_FORMS = {"optax": ts.K, "microbatched": 1}
+
+
+def microbatched_memory(backend, name, models):
+    """Lines of the memory table of `--microbatched`: per model, optax's and
+    microbatched's temporary memory over the params' bytes, and their
+    compiled peaks (arguments + outputs not aliased + temporaries)."""
+    lines = []
+    for model in models:
+        temp, peak = {}, {}
+        for form in MICROBATCHED_FORMS:
+            compiled, params = compiled_step(
+                backend, MODEL_NAMES[model], "float32", "adamw", jnp.float32, form
+            )
+            m, params_bytes = compiled.memory_analysis(), ts._bytes(params)
+            held = m.argument_size_in_bytes + m.output_size_in_bytes
+            temp[form] = m.temp_size_in_bytes / params_bytes
+            peak[form] = temp[form] + (held - m.alias_size_in_bytes) / params_bytes
+        a, b = temp["optax"], temp["microbatched"]
+        lines.append(
+            f"| {name} | {model} | {a:.3f} | {b:.3f} | {f'{b / a:.2f}' if a else '-'} "
+            f"| {peak['optax']:.3f} | {peak['microbatched']:.3f} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
+def microbatched_estimate(backend, model, launch_us=None):
+    """Lines of the estimate of `--microbatched` for one model on `backend`:
+    each form's window of 4 batches (optax: 4 runs of its step, 3 of them
+    mini-steps; microbatched: one run of its program), optax's over the
+    form's; on the H200 without and with the launch term."""
+    launch_us = step_cost.LAUNCH_US if launch_us is None else launch_us
+    name = {"gpu": "H200", "tpu": "TPU v5e"}[backend]
+    window, uncosted = {}, {}
+    for form, runs in MICROBATCHED_FORMS.items():
+        compiled, params = compiled_step(
+            backend, MODEL_NAMES[model], "float32", "adamw", jnp.float32, form
+        )
+        text, temp = compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes
+        mini, last = (program_cost(text, backend, pick) for pick in (min, max))
+        window[form] = StepCost(name, runs, mini, last, (temp, temp), launch_us)
+        uncosted[form] = last.uncosted
+    params_bytes = ts._bytes(params)
+    base = window["optax"]
+    if backend == "gpu":
+        lines = [
+            "| form | runs a window | kernels a window | window of 4 batches, us "
+            "| optax / form | launches, us | with launches, us "
+            "| optax / form, with launches | temp / params |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for form, w in window.items():
+            lines.append(
+                f"| {form} | {w.window} | {w.kernels} | {w.cost * 1e6:.1f} "
+                f"| {base.cost / w.cost:.2f} | {w.launch_cost * 1e6:.1f} "
+                f"| {w.with_launches * 1e6:.1f} "
+                f"| {base.with_launches / w.with_launches:.2f} "
+                f"| {w.temp[0] / params_bytes:.3f} |"
+            )
+        note = f"Launches at {launch_us:g} us each (`step_cost.LAUNCH_US`)."
+    else:
+        lines = [
+            "| form | runs a window | window of 4 batches, k cycles "
+            "| optax / form | temp / params |",
+            "|---|---|---|---|---|",
+        ]
+        for form, w in window.items():
+            lines.append(
+                f"| {form} | {w.window} | {w.cost * 1e-3:.1f} "
+                f"| {base.cost / w.cost:.2f} | {w.temp[0] / params_bytes:.3f} |"
+            )
+        note = "Instructions without `estimated_cycles`: " + ", ".join(
+            f"{f} {n}" for f, n in uncosted.items()
+        )
+        note += "."
+    return [*lines, "", note, ""]
+
+
+def microbatched_lines(args, stamp):
+    """The lines `--microbatched` writes."""
+    if args.estimate:
+        lines = [
+            stamp + " Estimated from the compile, not measured: float32, adamw, "
+            f"a window of {ts.K} batches; `microbatched(jax.grad(loss), {ts.K})` "
+            "runs it in one call on a global batch of "
+            f"{ts.K} batches, optax.MultiSteps in {ts.K} steps.",
+            "",
+        ]
+    else:
+        lines = [
+            stamp + " The whole train step's temporary memory over the params' "
+            f"bytes, float32, adamw: optax.MultiSteps' step (every_k {ts.K}) "
+            f"and `microbatched(jax.grad(loss), {ts.K})`'s on a global batch "
+            f"of {ts.K} batches, then the bare adamw's step. Optax's accumulator "
+            "is in its state (an argument, in the peak only); microbatched's is "
+            "a temporary. Peak: arguments + outputs not aliased + temporaries "
+            "(`memory_analysis()`), over the params' bytes.",
+            "",
+            "| backend | model | optax | microbatched | microbatched / optax "
+            "| peak, optax | peak, microbatched |",
+            "|---|---|---|---|---|---|---|",
+        ]
+    for backend in args.backends:
+        why = unavailable(backend)
+        if why:
+            print(f"{backend}: skipped ({why})", file=sys.stderr)
+            continue
+        name = {"cpu": f"XLA:CPU (jax {jax.__version__})", "gpu": "H200"}
+        name = name.get(backend, "TPU v5e")
+        if not args.estimate:
+            lines += microbatched_memory(backend, name, args.models)
+            continue
+        if backend == "cpu":
+            continue
+        for model in args.models:
+            print(f"{name}, {MODEL_NAMES[model]}:", file=sys.stderr)
+            lines += [f"### {name}, {MODEL_NAMES[model]}, float32, adamw", ""]
+            lines += microbatched_estimate(backend, model, args.launch_us)
+            print("\n".join(lines[-9:]), flush=True)
     return lines
 
 
@@ -322,7 +471,9 @@ def main():
     )
     parser.add_argument("--bits", action="store_true")
     parser.add_argument("--optimizer-step-check", action="store_true")
+    parser.add_argument("--microbatched", action="store_true")
     parser.add_argument("--out")
+    parser.add_argument("--append", action="store_true", help="append to --out")
     args = parser.parse_args()
     stamp = (
         f"Written by `benchmarks/whole_step.py`. jax {jax.__version__}, "
@@ -330,6 +481,10 @@ def main():
         f"optax_ext at commit {_commit()}. GPU: an H200 target, TPU: a v5e, "
         "compiled deviceless."
     )
+    if args.microbatched:
+        text = "\n".join(microbatched_lines(args, stamp)) + "\n"
+        _write(text, args)
+        return
     if args.optimizer_step_check:
         print("\n".join(optimizer_step_check()))
         return
@@ -382,7 +537,14 @@ def main():
             lines.append(row + " |")
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
-    if args.out:
+    _write(text, args)
+
+
+def _write(text, args):
+    if args.out and args.append:
+        with pathlib.Path(args.out).open("a") as out:
+            out.write("\n" + text)
+    elif args.out:
         pathlib.Path(args.out).write_text(text)
     else:
         print(text)

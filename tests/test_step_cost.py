@@ -93,3 +93,47 @@ def test_the_command_line_prints_each_form_s_window(tmp_path, capsys):
 def test_an_unknown_target_says_which_there_are():
     with pytest.raises(ValueError, match="'H200' or 'TPU v5e'"):
         step_cost.program_cost(HLO, "H100")
+
+
+# A loop of 4 trips around one fusion (as `microbatched`'s loop over its
+# micro-batches), its trip count written by XLA (XLA:CPU, XLA:GPU) or only
+# in its condition, a counter from 0 below 4 (XLA:TPU).
+LOOP = """HloModule m
+
+%add (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %y = f32[1024]{0} add(%x, %x)
+}
+
+%body (t: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %t = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %v = f32[1024]{0} get-tuple-element(%t), index=1
+  %f = f32[1024]{0} fusion(%v), kind=kLoop, calls=%add, backend_config={"estimated_cycles":"10"}
+  ROOT %n = (s32[], f32[1024]{0}) tuple(%i, %f)
+}
+
+%cond (c: (s32[], f32[1024])) -> pred[] {
+  %c = (s32[], f32[1024]{0}) parameter(0)
+  %j = s32[] get-tuple-element(%c), index=0
+  %four = s32[] constant(4)
+  ROOT %lt = pred[] compare(%j, %four), direction=LT
+}
+
+ENTRY %main (e: f32[1024]) -> (s32[], f32[1024]) {
+  %e = f32[1024]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1024]{0}) tuple(%zero, %e)
+  ROOT %w = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body{KNOWN}
+}
+"""  # noqa: E501
+
+
+@pytest.mark.parametrize(
+    "known", [', backend_config={"known_trip_count":{"n":"4"}}', ""]
+)
+def test_a_loop_s_body_counts_once_per_trip(known):
+    program = LOOP.replace("{KNOWN}", known)
+    assert step_cost.program_cost(program, "TPU v5e", min).cost == 4 * 10
+    gpu = step_cost.program_cost(program, "H200", min)
+    assert gpu.kernels == 4 and gpu.bytes == 4 * KERNEL_BYTES
