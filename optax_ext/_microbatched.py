@@ -211,7 +211,7 @@ def microbatched(
     A Flax NNX module argument runs the micro-batches in turn: what its
     forward pass changes (BatchNorm's statistics, an `nnx.Rngs` count) goes
     from one to the next and is in the module after the call. Details:
-    docs/multi_steps.md, "What `microbatched` returns";
+    docs/microbatched.md, "What `microbatched` returns";
     docs/data_parallel.md, "`microbatched` on a sharded batch".
 
     **Arguments:**

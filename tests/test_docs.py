@@ -396,6 +396,7 @@ def test_whole_step_tables_of_the_performance_page_equal_the_results():
 SHORT_PAGES = [
     "README.md",
     "docs/multi_steps.md",
+    "docs/microbatched.md",
     "docs/performance.md",
     "docs/check_your_step.md",
 ]

@@ -456,7 +456,7 @@ def test_microbatched_carries_module_state_from_micro_batch_to_the_next():
     before = _other_state(model)
     got_loss, got = micro(model, (x, y))
     losses, grads = [], []
-    for j in range(k):  # micro-batch j: rows j, j + k, ... (docs/multi_steps.md)
+    for j in range(k):  # micro-batch j: rows j, j + k, ... (docs/microbatched.md)
         value, g = one(reference, (x[j::k], y[j::k]))
         losses.append(float(value))
         grads.append([np.asarray(leaf, np.float64) for leaf in jax.tree.leaves(g)])
