@@ -11,13 +11,13 @@ the whole batch, and an uninterrupted run.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_float32_close, assert_same_arithmetic
 
 import optax_ext
 
@@ -27,12 +27,6 @@ TrainState = train_state.TrainState
 
 K, WINDOWS, LR, ROWS = 3, 3, 0.05, 8
 EPS = float(np.finfo(np.float32).eps)
-# XLA:CPU at -O0 (the suite's default, conftest.py) compiles without LLVM's
-# optimisations, which contract and reorder float arithmetic: there two
-# programs doing the same operations give the same bits.
-SAME_BITS = jax.default_backend() == "cpu" and (
-    "--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", "")
-)
 
 
 class MLP(nn.Module):
@@ -99,23 +93,6 @@ def run(state, step, steps=range(K * WINDOWS), masks=FULL, **options):
         if t % K == K - 1:
             after_windows.append(leaves(state.params))
     return after_windows, state
-
-
-def assert_float32_close(got, want, ulps=4):
-    """Leaf by leaf within `ulps` float32 roundings of the leaf's scale."""
-    assert len(got) == len(want)
-    for a, b in zip(got, want, strict=True):
-        scale = max(1.0, float(np.max(np.abs(b))))
-        np.testing.assert_allclose(a, b, rtol=0, atol=ulps * EPS * scale)
-
-
-def assert_same_arithmetic(got, want):
-    """Two programs doing the same float32 operations: bit for bit where
-    `SAME_BITS`, within float32 rounding elsewhere."""
-    assert_float32_close(got, want)
-    if SAME_BITS:
-        for a, b in zip(got, want, strict=True):
-            np.testing.assert_array_equal(a, b)
 
 
 def assert_moved(windows):

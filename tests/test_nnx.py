@@ -8,7 +8,6 @@ gradient computed directly (float64, rounded once), `nnx.value_and_grad` on
 the whole batch, and an uninterrupted run.
 """
 
-import os
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _helpers import assert_float32_close, assert_same_arithmetic
 
 import optax_ext
 
@@ -24,13 +24,6 @@ nnx = pytest.importorskip("flax.nnx")
 
 K, WINDOWS, LR = 3, 3, 0.05
 EPS = float(np.finfo(np.float32).eps)
-# XLA:CPU at -O0 (the suite's default, conftest.py) compiles without LLVM's
-# optimisations, which contract and reorder float arithmetic: there two
-# programs doing the same operations give the same bits. At XLA's default
-# level they differ by an ulp or so.
-SAME_BITS = jax.default_backend() == "cpu" and (
-    "--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", "")
-)
 
 
 class Model(nnx.Module):
@@ -103,24 +96,6 @@ def run(tx, step, steps=range(K * WINDOWS), model=None, optimizer=None):
 
 def plain(step):
     return lambda model, optimizer, t: step(model, optimizer, XS[t], YS[t])
-
-
-def assert_float32_close(got, want, ulps=4):
-    """Leaf by leaf within `ulps` float32 roundings of the leaf's scale: two
-    programs (or a float64 reference) that fuse the same arithmetic apart."""
-    assert len(got) == len(want)
-    for a, b in zip(got, want, strict=True):
-        scale = max(1.0, float(np.max(np.abs(b))))
-        np.testing.assert_allclose(a, b, rtol=0, atol=ulps * EPS * scale)
-
-
-def assert_same_arithmetic(got, want):
-    """Two programs doing the same float32 operations: bit for bit where
-    `SAME_BITS`, within float32 rounding elsewhere."""
-    assert_float32_close(got, want)
-    if SAME_BITS:
-        for a, b in zip(got, want, strict=True):
-            np.testing.assert_array_equal(a, b)
 
 
 def assert_moved(windows, part=None):
