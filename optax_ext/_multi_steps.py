@@ -6,25 +6,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, PyTree
 
-from ._accumulate.accumulator import Accumulator, weight_dtype
+from ._accumulate.accumulations import Plain, State, Weighted
 from ._accumulate.arithmetic import check_accumulator_dtype, zero_accumulator
 from ._accumulate.branch import choose_form
 from ._accumulate.devices import device_state
-from ._accumulate.window import MiniStep, Window, run_window
+from ._accumulate.window import MiniStep, StepInputs, Window, run_window
 from ._leaves import accumulated, restore_none
 from ._multi_steps_checks import (
+    check_bool,
     check_k,
     check_skip_fn,
     check_state,
-    check_use_grad_mean,
-    check_weighted,
     prepare_step,
     skip_decision,
     validate_every_k,
@@ -32,15 +31,8 @@ from ._multi_steps_checks import (
 from ._records import strong_as_recorded, traced_state_record
 from ._sharding import mirror_param_sharding
 from ._static import Configured, config_key
-from ._transformations import (
-    check_transformation,
-    merge_trainable,
-    with_extra_args,
-)
+from ._transformations import check_transformation, merge_trainable, with_extra_args
 from ._tree import saturating_increment
-from ._weighted import WeightedMultiStepsState, window_weights
-
-State = optax.MultiStepsState | WeightedMultiStepsState
 
 
 def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
@@ -50,26 +42,17 @@ def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
 
 
 def _next_state(
-    state: State, step: MiniStep, emitted: jax.Array, devices: Any, fields: dict
+    state: State, step: MiniStep, emitted: jax.Array, window: Window, fields: tuple
 ) -> State:
-    """The state after a mini-step with `fields`, its counters moved by
-    selection and saturating."""
+    """The state after a mini-step with `fields` (optax's after the
+    counters), its counters moved by selection and saturating."""
     mini_step = jnp.asarray(state.mini_step)
     count = jnp.where(step.should_skip, mini_step, saturating_increment(mini_step))
     mini = jnp.where(step.window_end, 0, count).astype(mini_step.dtype)
     gradient = jnp.asarray(state.gradient_step)
     gradient = jnp.where(emitted, saturating_increment(gradient), gradient)
-    if step.weights is None:
-        return optax.MultiStepsState(mini, gradient, **fields)
-    running = jnp.where(step.should_skip, step.stored, step.weights.total)
-    acc_weight = jnp.where(step.window_end, jnp.zeros_like(running), running)
-    return WeightedMultiStepsState(
-        mini, gradient, **fields, acc_weight=devices.add_axis(acc_weight)
-    )
-
-
-def _is_multi_steps_state(x: Any) -> bool:
-    return isinstance(x, State)
+    extra = window.accumulation.after(step, window.devices)
+    return window.accumulation.state((mini, gradient, *fields), extra)
 
 
 def _as_optax_holds_it(state: Any) -> Any:
@@ -79,10 +62,11 @@ def _as_optax_holds_it(state: Any) -> Any:
     acc = jax.tree.map(
         lambda a: jnp.where(start, jnp.zeros_like(a), a), state.acc_grads
     )
+    nested = lambda s: isinstance(s, State)  # noqa: E731
     inner = jax.tree.map(
-        lambda s: _as_optax_holds_it(s) if _is_multi_steps_state(s) else s,
+        lambda s: _as_optax_holds_it(s) if nested(s) else s,
         state.inner_opt_state,
-        is_leaf=_is_multi_steps_state,
+        is_leaf=nested,
     )
     return state._replace(acc_grads=acc, inner_opt_state=inner)
 
@@ -153,41 +137,27 @@ class MultiSteps(Configured):
         weighted: bool = False,
     ):
         check_transformation(opt, "opt")
-        use_grad_mean = check_use_grad_mean(use_grad_mean)
-        self._weighted = check_weighted(weighted)
-        self._opt = with_extra_args(opt)
-        # As given: `apply_gradients` fuses through a nested MultiSteps or
-        # skip_when, which `with_extra_args` would hide.
-        self._fusable_inner = opt
-        self._every_k_schedule = validate_every_k(every_k_schedule)
-        self._use_grad_mean = use_grad_mean
-        self._should_skip_update_fn = check_skip_fn(should_skip_update_fn)
-        self._accumulator_dtype = check_accumulator_dtype(
-            accumulator_dtype, complex_ok=True
-        )
-        self._key = config_key(
-            opt,
-            every_k_schedule,
-            self._use_grad_mean,
-            should_skip_update_fn,
-            self._accumulator_dtype,
-            axis_name,
-            self._weighted,
-        )
-        self._devices = device_state(axis_name)
-        accumulator = Accumulator(self._use_grad_mean, self._weighted)
-        self._window = Window(self._opt, opt, self._devices, accumulator)
-        # `check_state_structure`'s answers by the avals of its template.
-        self._inner_structures: dict[tuple, Any] = {}
+        mean = "use_grad_mean must be True (the window's gradients averaged) or False"
+        use_grad_mean = check_bool(use_grad_mean, mean + " (summed)")
+        weighted = check_bool(weighted, "weighted must be True or False")
+        every_k = validate_every_k(every_k_schedule)
+        skip_fn = check_skip_fn(should_skip_update_fn)
+        accumulator_dtype = check_accumulator_dtype(accumulator_dtype, complex_ok=True)
+        args = (every_k_schedule, use_grad_mean, should_skip_update_fn)
+        self._key = config_key(opt, *args, accumulator_dtype, axis_name, weighted)
+        kind = (Weighted if weighted else Plain)(use_grad_mean)
+        # The inner optimizer as given too: `apply_gradients` fuses through a
+        # nested MultiSteps or skip_when, which `with_extra_args` would hide.
+        inner = (with_extra_args(opt), opt, device_state(axis_name), kind)
+        self._window = Window(*inner, accumulator_dtype, {}, every_k, skip_fn)
+        self._devices, self._accumulation = self._window.devices, kind
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
         """The wrapped optimizer."""
-        return self._opt
+        return self._window.inner
 
-    def init(
-        self, params: optax.Params
-    ) -> optax.MultiStepsState | WeightedMultiStepsState:
+    def init(self, params: optax.Params) -> State:
         """Builds the initial `optax.MultiStepsState` for `params`.
 
         With `axis_name`, call it inside `jax.shard_map`: `acc_grads` and
@@ -195,46 +165,37 @@ class MultiSteps(Configured):
         """
         params = accumulated(params)
         self._devices.check_bound("init")
-        acc_grads = zero_accumulator(params, self._accumulator_dtype)
-        inner_state = self._opt.init(params)
-        traced_state_record(
-            self._opt.init, params, self._inner_structures, is_params=True
-        )
-        gradient_step = jnp.zeros((), jnp.int32)
-        skip_fn = self._should_skip_update_fn
+        w, zero = self._window, lambda: jnp.zeros((), jnp.int32)
+        acc_grads = zero_accumulator(params, w.accumulator_dtype)
+        inner_state = w.inner.init(params)
+        traced_state_record(w.inner.init, params, w.inner_structures, is_params=True)
         zeros = jax.tree.map(jnp.zeros_like, params)
-        _, skip_state = skip_decision(skip_fn, zeros, gradient_step, params)
-        mini_step = jnp.zeros((), jnp.int32)
-        fields = (mini_step, gradient_step, inner_state, acc_grads, skip_state)
-        state = optax.MultiStepsState(*fields)
-        state = mirror_param_sharding(state, params)
+        skip_state = skip_decision(w.should_skip_update_fn, zeros, zero(), params)[1]
+        fields = (zero(), zero(), inner_state, acc_grads, skip_state)
+        state = mirror_param_sharding(optax.MultiStepsState(*fields), params)
         state = state._replace(
-            acc_grads=self._devices.add_axis(state.acc_grads),
-            skip_state=self._devices.add_axis(state.skip_state),
+            acc_grads=w.devices.add_axis(state.acc_grads),
+            skip_state=w.devices.add_axis(state.skip_state),
         )
-        if not self._weighted:
-            return state
-        weight = jnp.zeros((), weight_dtype(acc_grads))
-        return WeightedMultiStepsState(
-            *state, acc_weight=self._devices.add_axis(weight)
-        )
+        extra = w.accumulation.init(acc_grads, w.devices)
+        return w.accumulation.state(tuple(state), extra)
 
-    def state_specs(self) -> optax.MultiStepsState | WeightedMultiStepsState:
+    def state_specs(self) -> State:
         """`PartitionSpec`s of the state (a prefix of its tree) for
         `jax.shard_map`: `P()`, but `P(axis_name)` for `acc_grads` and
-        `skip_state` with `axis_name`."""
+        `skip_state` (and a weighted state's `acc_weight`) with `axis_name`."""
         same: Any = jax.sharding.PartitionSpec()
         own = self._devices.spec()
-        specs = optax.MultiStepsState(same, same, same, own, own)
-        return WeightedMultiStepsState(*specs, own) if self._weighted else specs
+        extra = (own,) * (len(self._accumulation.State._fields) - 5)
+        return self._accumulation.state((same, same, same, own, own), extra)
 
     def update(
         self,
         updates: optax.Updates,
-        state: optax.MultiStepsState | WeightedMultiStepsState,
+        state: State,
         params: optax.Params | None = None,
         **extra_args: Any,
-    ) -> tuple[optax.Updates, optax.MultiStepsState | WeightedMultiStepsState]:
+    ) -> tuple[optax.Updates, State]:
         """Accumulates `updates`; returns the inner optimizer's updates on the
         last mini-step of a window and zeros otherwise. With `weighted=True`,
         pass `weight=` (not forwarded to the inner optimizer)."""
@@ -265,39 +226,28 @@ class MultiSteps(Configured):
     ) -> tuple[PyTree, State]:
         """`update` (`fused=False`) or `_apply_gradients`."""
         method = "apply_gradients" if fused else "update"
-        step = prepare_step(self, grads, state, params, extra_args, method)
-        decided = self._decide(step, state, emit)
+        inputs = prepare_step(self._window, grads, state, params, extra_args, method)
+        step = self._decide(inputs, state, emit)
         form = choose_form(fused, emit, self._devices.per_device)
-        args = (decided, step, state.acc_grads, state.inner_opt_state)
-        result, inner_state, acc, emitted = run_window(self._window, form, fused, *args)
-        result = (
-            merge_trainable(params, result) if fused else restore_none(grads, result)
-        )
-        fields = dict(
-            inner_opt_state=strong_as_recorded(inner_state, step.record),
-            acc_grads=acc,
-            skip_state=self._devices.add_axis(step.skip_state),
-        )
-        return result, _next_state(state, decided, emitted, self._devices, fields)
+        args = (step, inputs, state.acc_grads, state.inner_opt_state)
+        out, inner_state, acc, emitted = run_window(self._window, form, fused, *args)
+        out = merge_trainable(params, out) if fused else restore_none(grads, out)
+        inner_state = strong_as_recorded(inner_state, inputs.record)
+        fields = (inner_state, acc, self._devices.add_axis(inputs.skip_state))
+        return out, _next_state(state, step, emitted, self._window, fields)
 
-    def _decide(self, step: Any, state: State, emit: bool | None) -> MiniStep:
+    def _decide(self, inputs: StepInputs, state: State, emit: bool | None) -> MiniStep:
         """This mini-step's decisions: its weights, whether it ends its
         window (at `k` accepted mini-steps, or as `emit` says)."""
         mini_step = jnp.asarray(state.mini_step)
-        stored = weights = None
-        if self._weighted:
-            acc_weight = cast(WeightedMultiStepsState, state).acc_weight
-            stored, weights = window_weights(
-                self._window.accumulator, acc_weight, step.weight, mini_step
-            )
-        ends = _window_complete(mini_step, step.k) if emit is None else emit
-        skip = step.should_skip
+        extra = self._accumulation.extra(state)
+        stored, weights = self._accumulation.begin(extra, inputs.weight, mini_step)
+        ends = _window_complete(mini_step, inputs.k) if emit is None else emit
+        skip = inputs.should_skip
         window_end = jnp.logical_and(jnp.logical_not(skip), ends)
         return MiniStep(window_end, skip, mini_step, weights, stored)
 
-    def optax_state(
-        self, state: optax.MultiStepsState | WeightedMultiStepsState
-    ) -> optax.MultiStepsState | WeightedMultiStepsState:
+    def optax_state(self, state: State) -> State:
         """`state` as `optax.MultiSteps` holds it at the same step, for it
         to go on from: `acc_grads` zeros after a window's last mini-step
         (nested `MultiSteps` states too). Jittable. A window held open past
@@ -316,17 +266,10 @@ class MultiSteps(Configured):
         ```
         """
         check_state(state, "optax_state")
-        if self._weighted or isinstance(state, WeightedMultiStepsState):
-            raise TypeError(
-                "MultiSteps.optax_state got a weighted state: optax.MultiSteps "
-                "has no weighted form and would drop its acc_weight (the "
-                "window's running weight) silently. A weighted state goes on "
-                "only in optax_ext.MultiSteps(..., weighted=True)."
-            )
-        counters = (state.mini_step, state.gradient_step)
-        if not any(isinstance(c, jax.core.Tracer) for c in counters):
-            mini, gradient = (int(c) for c in jax.device_get(counters))
-            k = float(self._known_k(gradient))
+        state = self._accumulation.as_optax(state)
+        known = self._host_window(state)
+        if known is not None:
+            mini, k = known[0], float(known[1])
             if k >= 1 and mini >= math.ceil(k):
                 raise ValueError(
                     f"MultiSteps.optax_state: the state's window holds {mini} "
@@ -338,9 +281,7 @@ class MultiSteps(Configured):
                 )
         return _as_optax_holds_it(state)
 
-    def emits_next(
-        self, state: optax.MultiStepsState | WeightedMultiStepsState
-    ) -> bool:
+    def emits_next(self, state: State) -> bool:
         """Whether the window ends on the next accepted mini-step, for a host
         loop that passes `apply_gradients(..., emit=)`; not for inside `jit`
         (it reads the counters off the device). After a resume, start the
@@ -357,25 +298,26 @@ class MultiSteps(Configured):
         ```
         """
         check_state(state, "emits_next")
-        counters = (state.mini_step, state.gradient_step)
-        if any(isinstance(c, jax.core.Tracer) for c in counters):
+        known = self._host_window(state)
+        if known is None:
             raise TypeError(
                 "MultiSteps.emits_next reads the state's counters on the host; "
                 "call it outside jax.jit (it got traced counters)."
             )
+        return bool(_window_complete(jnp.asarray(known[0]), known[1]))
+
+    def _host_window(self, state: State) -> tuple[int, jax.Array] | None:
+        """The state's `mini_step` and its window's length, read on the host
+        and checked as `update` checks them; `None` where traced."""
+        counters = (state.mini_step, state.gradient_step)
+        if any(isinstance(c, jax.core.Tracer) for c in counters):
+            return None
         mini, gradient = (int(c) for c in jax.device_get(counters))
-        return bool(_window_complete(jnp.asarray(mini), self._known_k(gradient)))
+        step = jnp.asarray(gradient, jnp.int32)
+        k = self._window.every_k_schedule(step)
+        return mini, k if isinstance(k, jax.Array) else check_k(k, step)
 
-    def _known_k(self, gradient_step: int) -> jax.Array:
-        """The window length at `gradient_step`, on the host, checked as
-        `update` checks it."""
-        step = jnp.asarray(gradient_step, jnp.int32)
-        k = self._every_k_schedule(step)
-        return k if isinstance(k, jax.Array) else check_k(k, step)
-
-    def has_updated(
-        self, state: optax.MultiStepsState | WeightedMultiStepsState
-    ) -> Bool[Array, ""]:
+    def has_updated(self, state: State) -> Bool[Array, ""]:
         """`True` when the last *accepted* mini-step completed a window
         (`mini_step == 0 and gradient_step > 0`, as in optax: still `True`
         after a skipped step that follows; `state.skip_state` tells)."""

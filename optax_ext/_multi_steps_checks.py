@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,20 +11,14 @@ import numpy as np
 import optax
 from jaxtyping import PyTree
 
-from ._accumulate.arithmetic import (
-    PROMOTION_ERROR,
-    holds,
-    is_real_scalar,
-    least_holding,
-)
+from ._accumulate.accumulations import NO_WEIGHT, UNREAD
+from ._accumulate.arithmetic import PROMOTION_ERROR, holds, least_holding
+from ._accumulate.window import StepInputs, Window
 from ._leaves import accumulated, zeros_where_undifferentiated
 from ._records import check_state_structure
 from ._tree import as_index, check_same_shapes, check_same_structure, describe_value
-from ._weighted import WeightedMultiStepsState
 
 INT32_MAX = int(jnp.iinfo(jnp.int32).max)
-NO_WEIGHT = object()
-_UNREAD = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
 _ACC = "the accumulated gradients in the state"
 _NUMERIC = (jnp.integer, jnp.floating, jnp.bool_)
 
@@ -49,40 +43,6 @@ _HINT_DICT = (
 _HINT_STATE = (
     "Pass the whole MultiSteps state (not its inner_opt_state, nor another "
     "optimizer's state)."
-)
-_MSG_UNWEIGHTED = (
-    "{} got weight={}, but this MultiSteps was built without weighted=True, where "
-    "every mini-step counts the same. Build it with `MultiSteps(..., weighted=True)` "
-    "(and init its state again) to average the mini-steps by weight."
-)
-_MSG_NEEDS_WEIGHT = (
-    "{} needs `weight=`: this mini-step's weight, a scalar >= 0 (e.g. its number of "
-    "non-padding tokens). The window weighs the mini-step's gradient by it. A loop "
-    "that calls tx.update itself does not pass it on: Flax Linen's "
-    "TrainState.apply_gradients sends its keywords to .replace, nnx.Optimizer.update "
-    "takes none. Call optax_ext.train_state_apply_gradients(state, grads, weight=n) "
-    "(Linen) or optax_ext.nnx_apply_gradients(optimizer, model, grads, weight=n) (NNX)."
-)
-_MSG_WEIGHT_TYPE = (
-    "{}'s `weight` must be a real scalar >= 0 (an int or float, e.g. the "
-    "mini-step's number of non-padding tokens), got {}."
-)
-_MSG_WEIGHT_VALUE = (
-    "{}'s `weight` must be finite and >= 0, got {!r}: it is the mini-step's "
-    "share of the window (e.g. its number of non-padding tokens)."
-)
-_MSG_WEIGHT_HELD = (
-    "{0}'s `weight` is {1!r}, which the window's weights (summed in {2}, as "
-    "state.acc_weight) do not hold: {2} keeps {3:.3g} to {4:.3g}, and XLA flushes a "
-    "smaller one to 0. Only the weights' ratios matter: scale them all alike."
-)
-_MSG_NO_ACC_WEIGHT = (
-    "{}'s `{}` has no acc_weight: got {}, not the WeightedMultiStepsState that "
-    "its init returns. Build the state with this MultiSteps' init."
-)
-_MSG_OTHER_KIND = (
-    "{} got a WeightedMultiStepsState (from MultiSteps(..., weighted=True).init) for a "
-    "MultiSteps built without weighted=True; build both with the same `weighted`."
 )
 _MSG_SKIP_FLAG = (
     "should_skip_update_fn {} must return a scalar bool as its first output, got {} "
@@ -116,73 +76,54 @@ def _rounding_message(where: str, g_dtype: Any, a_dtype: Any, acc_dtype: Any) ->
     )
 
 
-def _caller(method: str, weighted: bool = False) -> tuple[str, str]:
+def _caller(method: str) -> tuple[str, str]:
     """How the user called `method`, and its state argument's name."""
     if method == "apply_gradients":
         return "optax_ext.apply_gradients", "opt_state"
-    return f"MultiSteps{'(weighted=True)' if weighted else ''}.{method}", "state"
-
-
-class StepInputs(NamedTuple):
-    """A step's inputs, as `prepare_step` builds them."""
-
-    grads: PyTree  # zeros where an accumulated param got `None`
-    params: PyTree | None  # `accumulated(params)`, or `None` where not passed
-    weight: Any  # the mini-step's `weight=` (`None` without `weighted=True`)
-    k: jax.Array  # the length of the window this mini-step is in
-    record: Any  # what the inner `init` builds, for `strong_as_recorded`
-    extra_args: dict[str, Any]  # for the inner optimizer (`weight=` taken out)
-    should_skip: jax.Array  # the skip function's decision, agreed by the devices
-    skip_state: PyTree  # what the skip function returned beside it
+    return f"MultiSteps.{method}", "state"
 
 
 def prepare_step(
-    opt: Any,
+    config: Window,
     grads: PyTree,
     state: Any,
     params: PyTree | None,
     extra_args: dict[str, Any],
     method: str,
 ) -> StepInputs:
-    """The inputs of a step of the `MultiSteps` `opt`, checked."""
-    devices = opt._devices
+    """The inputs of a `MultiSteps` step, checked."""
+    devices = config.devices
     devices.check_bound(method)
     extra_args = dict(extra_args)
     weight = extra_args.pop("weight", NO_WEIGHT)
-    weight = check_state(state, method, weighted=opt._weighted, weight=weight)
+    check_state(state, method)
+    weight = config.accumulation.check(state, weight, _caller(method))
     acc = devices.drop_axis(state.acc_grads)
     if params is not None:
         params = accumulated(params)
         _check_params(params, acc)
     given, grads = grads, zeros_where_undifferentiated(grads, params)
-    _check_gradients(grads, acc, opt._accumulator_dtype)
+    _check_gradients(grads, acc, config.accumulator_dtype)
     who, state_arg = _caller(method)
     record = check_state_structure(
-        opt._opt.init,
+        config.inner.init,
         state.inner_opt_state,
         acc if params is None else params,
-        opt._inner_structures,
+        config.inner_structures,
         is_params=params is not None,
         names=(who, f"{state_arg}.inner_opt_state", "MultiSteps"),
     )
     devices.check_gradients(given, acc)
     gradient_step = jnp.asarray(state.gradient_step)
-    k = check_k(opt._every_k_schedule(gradient_step), gradient_step)
-    skip_fn = opt._should_skip_update_fn
+    k = check_k(config.every_k_schedule(gradient_step), gradient_step)
+    skip_fn = config.should_skip_update_fn
     skip, skip_state = skip_decision(skip_fn, grads, gradient_step, params, weight)
     skip = skip if skip_fn is None else devices.agree(skip)
     return StepInputs(grads, params, weight, k, record, extra_args, skip, skip_state)
 
 
-def check_state(
-    state: Any,
-    method: str,
-    *,
-    weighted: bool | None = None,
-    counters: bool = True,
-    weight: Any = NO_WEIGHT,
-) -> Any:
-    """Checks `state`'s fields and counters; with `weighted`, returns `weight`."""
+def check_state(state: Any, method: str, *, counters: bool = True) -> None:
+    """Checks `state`'s fields and counters (a step's: arrays)."""
     who, state_arg = _caller(method)
     fields = optax.MultiStepsState._fields
     missing = [f for f in fields if not hasattr(state, f)]
@@ -192,7 +133,7 @@ def check_state(
         hint = _HINT_DICT if as_dict else _HINT_STATE
         got, names = describe_value(state), ", ".join(missing)
         raise TypeError(_MSG_FIELDS.format(who, state_arg, got, names, hint))
-    arrays = weighted is not None  # a step's
+    arrays = method in ("update", "apply_gradients")  # a step's
     for name in ("mini_step", "gradient_step") if counters else ():
         value = getattr(state, name)
         try:
@@ -208,58 +149,13 @@ def check_state(
                 f"{who}'s `{state_arg}.{name}` must be a scalar integer "
                 f"{what}, got {describe_value(value)}."
             )
-    if weighted is None:
-        return None
-    return _check_weighted(state, weight, weighted, method)
 
 
-def _check_weighted(state: Any, weight: Any, weighted: bool, method: str) -> Any:
-    """The mini-step's `weight`, checked, then the state's `acc_weight`."""
-    who, state_arg = _caller(method)
-    if not weighted:
-        if weight is not NO_WEIGHT:
-            raise TypeError(_MSG_UNWEIGHTED.format(who, describe_value(weight)))
-        if isinstance(state, WeightedMultiStepsState):
-            raise TypeError(_MSG_OTHER_KIND.format(who))
-        return None
-    weighted_who = _caller(method, weighted=True)[0]
-    if weight is NO_WEIGHT:
-        raise TypeError(_MSG_NEEDS_WEIGHT.format(weighted_who))
-    if not is_real_scalar(weight):
-        raise TypeError(_MSG_WEIGHT_TYPE.format(who, describe_value(weight)))
-    try:
-        known = float(np.asarray(weight))
-    except _UNREAD:
-        known = None  # traced: not checked
-    if known is not None and not (known >= 0 and np.isfinite(known)):
-        raise ValueError(_MSG_WEIGHT_VALUE.format(who, known))
-    if not hasattr(state, "acc_weight"):
-        got = type(state).__name__
-        raise TypeError(_MSG_NO_ACC_WEIGHT.format(weighted_who, state_arg, got))
-    value = state.acc_weight
-    dtype = getattr(value, "dtype", None)
-    floating = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-    if not floating or jnp.shape(value) not in ((), (1,)):
-        raise TypeError(
-            f"{weighted_who}'s `{state_arg}.acc_weight` must be a float scalar (as "
-            f"init builds it), got {describe_value(value)}."
-        )
-    dtype = jnp.result_type(value)
-    tiny, largest = float(jnp.finfo(dtype).tiny), float(jnp.finfo(dtype).max)
-    if known is not None and (0 < known < tiny or known > largest):
-        held = (who, known, np.dtype(dtype), tiny, largest)
-        raise ValueError(_MSG_WEIGHT_HELD.format(*held))
-    return weight
-
-
-def _as_bool(value: Any, must: str) -> bool:
+def check_bool(value: Any, must: str) -> bool:
+    """`value` as a bool; a `TypeError` saying `must` where it is none."""
     if not isinstance(value, bool | np.bool_):
         raise TypeError(f"{must}, got {describe_value(value)}.")
     return bool(value)
-
-
-def check_weighted(weighted: Any) -> bool:
-    return _as_bool(weighted, "weighted must be True or False")
 
 
 def validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
@@ -284,7 +180,7 @@ def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
     """The window length from `every_k_schedule`, checked where known."""
     try:
         known = np.asarray(k)
-    except _UNREAD:
+    except UNREAD:
         known = None
     kind = known if known is not None else jnp.asarray(k)
     numeric = any(jnp.issubdtype(kind.dtype, t) for t in _NUMERIC)
@@ -303,11 +199,6 @@ def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
             at = ""
         raise ValueError(_MSG_K.format(value, at))
     return jnp.asarray(k)
-
-
-def check_use_grad_mean(use_grad_mean: Any) -> bool:
-    must = "use_grad_mean must be True (the window's gradients averaged) or False"
-    return _as_bool(use_grad_mean, must + " (summed)")
 
 
 def check_skip_fn(fn: Any) -> Callable | None:

@@ -255,6 +255,45 @@ def test_modules_and_package_stay_small():
     assert sum(sizes.values()) < MAX_PACKAGE_LINES, sum(sizes.values())
 
 
+# What only an accumulation kind (`_accumulate/accumulations.py`) may read.
+KIND_NAMES = {"acc_weight", "weighted", "_weighted", "WeightedMultiStepsState"}
+KIND_BLIND = ["_multi_steps", "_multi_steps_checks", "_accumulate/window"]
+
+
+def kind_reads(source: str) -> list[str]:
+    """The kind-specific names `source` reads outside `MultiSteps.__init__`
+    (where the constructor chooses the kind) and docstrings."""
+    found = []
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            node.body = []
+    for node in ast.walk(tree):
+        name = getattr(node, "attr", None) or getattr(node, "id", None)
+        if name in KIND_NAMES or name == "Weighted":
+            found.append(name)
+    return sorted(found)
+
+
+@pytest.mark.parametrize("module", KIND_BLIND + ["_accumulate/devices"])
+def test_multi_steps_never_asks_which_accumulation_it_holds(module):
+    """`MultiSteps`, the window, the devices and the checks call the
+    accumulation kind's methods; none reads a kind's own fields or flags
+    (a new accumulation is one class, docs/contributing.md)."""
+    assert kind_reads((ROOT / f"{module}.py").read_text()) == []
+
+
+def test_kind_reads_finds_a_branch_on_the_kind():
+    source = (
+        "def f(state, opt):\n    if opt._weighted:\n        return state.acc_weight\n"
+    )
+    assert kind_reads(source) == ["_weighted", "acc_weight"]
+    assert (
+        kind_reads("class M:\n    def __init__(self, w):\n        self._weighted = w\n")
+        == []
+    )
+
+
 def test_line_counter_leaves_docstrings_out():
     # The `def` line and the body count.
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES - 1))

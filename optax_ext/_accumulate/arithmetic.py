@@ -32,14 +32,8 @@ def check_accumulator_dtype(accumulator_dtype: Any, *, complex_ok: bool) -> Any:
         )
     canonical = jax.dtypes.canonicalize_dtype(dtype)
     # Python's float and complex name JAX's default dtypes, as in jnp.zeros.
-    default = (
-        accumulator_dtype is float
-        or accumulator_dtype is complex
-        or (
-            isinstance(accumulator_dtype, str)
-            and accumulator_dtype in ("float", "complex")
-        )
-    )
+    named = isinstance(accumulator_dtype, str) or type(accumulator_dtype) is type
+    default = named and accumulator_dtype in ("float", "complex", float, complex)
     if canonical != dtype and not default:
         raise ValueError(
             f"accumulator_dtype={dtype} needs 64-bit JAX: without it JAX makes "

@@ -20,14 +20,10 @@ from .accumulator import Accumulator, reduce_across
 
 def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple]:
     """Each given gradient leaf: where, itself, and the axes it and `acc` vary over."""
-    given: list[tuple] = []
-
-    def visit(path: Any, g: Any, a: Any) -> None:
-        if g is not None:
-            given.append((path, g, a))
-
-    jax.tree_util.tree_map_with_path(visit, grads, acc, is_leaf=is_none)
-    for path, g, a in given:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)
+    for (path, g), a in zip(flat, treedef.flatten_up_to(acc), strict=True):
+        if g is None:
+            continue
         g_axes, a_axes = varying_axes(g), varying_axes(a)
         if g_axes is None or a_axes is None:
             return
@@ -159,7 +155,6 @@ class PerDeviceState(SingleDeviceState):
         """Every device's accumulators and weights meet in one all-reduce."""
         leaves, treedef = jax.tree.flatten(acc)
         kinds = [accumulator] * len(leaves)
-        weight = weight if accumulator.weighted else None
         mine = [a[0] for a in leaves]
         values, total = reduce_across(kinds, mine, weight, self.axis_name)
         values = [v.astype(a.dtype) for v, a in zip(values, leaves, strict=True)]

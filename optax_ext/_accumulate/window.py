@@ -10,23 +10,40 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 from jaxtyping import PyTree
 
 from .._leaves import is_none
 from .._transformations import merge_trainable, step_and_apply
-from .accumulator import Accumulator, Weights, as_gradient_dtype
+from .accumulations import Plain
+from .accumulator import Weights
 from .branch import Form, update_if
 from .devices import SingleDeviceState
 
 
 class Window(NamedTuple):
-    """What a `MultiSteps` runs its mini-steps with."""
+    """A `MultiSteps`' configuration: what its steps are checked and run with."""
 
     inner: optax.GradientTransformationExtraArgs
     fusable_inner: Any  # the inner optimizer as given, for `step_and_apply`
     devices: SingleDeviceState
-    accumulator: Accumulator
+    accumulation: Plain  # or another kind (`accumulations`)
+    accumulator_dtype: Any  # as given, checked (for the messages)
+    inner_structures: dict  # `check_state_structure`'s answers by the avals
+    every_k_schedule: Any  # the gradient step to the window's length
+    should_skip_update_fn: Any  # `None` or the function, as given
+
+
+class StepInputs(NamedTuple):
+    """A step's inputs, as `prepare_step` builds them."""
+
+    grads: PyTree  # zeros where an accumulated param got `None`
+    params: PyTree | None  # `accumulated(params)`, or `None` where not passed
+    weight: Any  # the mini-step's `weight=` (`None` without `weighted=True`)
+    k: jax.Array  # the length of the window this mini-step is in
+    record: Any  # what the inner `init` builds, for `strong_as_recorded`
+    extra_args: dict[str, Any]  # for the inner optimizer (`weight=` taken out)
+    should_skip: jax.Array  # the skip function's decision, agreed by the devices
+    skip_state: PyTree  # what the skip function returned beside it
 
 
 class MiniStep(NamedTuple):
@@ -35,12 +52,8 @@ class MiniStep(NamedTuple):
     window_end: jax.Array
     should_skip: jax.Array
     index: jax.Array  # the state's `mini_step`
-    weights: Weights | None
-    stored: jax.Array | None  # weighted: the state's running weight
-
-
-def _keep_or(keep: jax.Array, new: PyTree, old: PyTree) -> PyTree:
-    return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
+    weights: Weights | None  # from the kind's `begin`
+    stored: Any  # the kind's running scalars as the state held them
 
 
 def _arrays_at(tree: PyTree, like: PyTree) -> PyTree:
@@ -55,19 +68,18 @@ def _kept(keep: jax.Array | None, new: tuple, old: tuple) -> tuple:
     leaf selected from `new` or `old` by `keep`, the state paired with it."""
     if keep is None:
         return new
-    result, state = _keep_or(keep, new, old)
+    result, state = jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
     return result, (state, keep)
 
 
 class _Inner:
     """The inner optimizer on the window's accumulation, as `update_if`
-    calls it; weighted and per device, the state travels with whether the
-    window's weights sum to more than 0 (`wrap`, `unwrap`)."""
+    calls it; where a window may hold nothing and the devices decide it,
+    the state travels with whether it held something (`wrap`, `unwrap`)."""
 
-    def __init__(self, window: Window, inputs: Any, weights: Weights | None):
-        self.window, self.inputs = window, inputs
-        self.total = None if weights is None else weights.total
-        self.decides = weights is not None and window.devices.per_device
+    def __init__(self, window: Window, inputs: StepInputs, step: MiniStep):
+        self.window, self.inputs, self.step = window, inputs, step
+        self.decides = window.accumulation.may_be_empty and window.devices.per_device
         self.dtypes = jax.tree.map(lambda g: jnp.result_type(g), inputs.grads)
 
     def wrap(self, state: PyTree) -> PyTree:
@@ -78,8 +90,7 @@ class _Inner:
 
     def _gradients(self, acc: PyTree, state: PyTree) -> tuple[PyTree, Any, Any]:
         w = self.window
-        value, keep = w.devices.finish(acc, w.accumulator, self.total)
-        grads = jax.tree.map(as_gradient_dtype, value, self.dtypes)
+        grads, keep = w.accumulation.finalize(acc, self.step, w.devices, self.dtypes)
         return grads, keep, state[0] if self.decides else state
 
     def update(self, acc: PyTree, state: PyTree) -> tuple[PyTree, PyTree]:
@@ -105,33 +116,29 @@ def run_window(
     form: Form,
     fused: bool,
     step: MiniStep,
-    inputs: Any,
+    inputs: StepInputs,
     acc: PyTree,
     inner_state: PyTree,
 ) -> tuple[PyTree, PyTree, PyTree, jax.Array]:
     """One mini-step. Returns the updates (`fused`: the new params), the
     inner state, the new accumulator and whether the inner optimizer ran."""
-    fold = window.accumulator.fold
-
-    def one(g: jax.Array, a: jax.Array) -> jax.Array:
-        return lax.select(step.should_skip, a, fold(g, a, step.index, step.weights))
-
-    acc = jax.tree.map(one, window.devices.add_axis(inputs.grads), acc)
-    inner = _Inner(window, inputs, step.weights)
+    acc = window.accumulation.fold(acc, inputs.grads, step, window.devices)
+    inner = _Inner(window, inputs, step)
     pred = step.window_end
-    if step.weights is not None and not inner.decides:
-        pred = jnp.logical_and(pred, step.weights.total > 0)
+    ready = window.accumulation.ready(step)
+    if ready is not None and not inner.decides:
+        pred = jnp.logical_and(pred, ready)
     params = inputs.params
     # Only the params' arrays go through the conditional.
     arrays = _arrays_at(params, params) if fused else None
     state_in = inner.wrap(inner_state)
     if form is Form.FOLD:
-        result = arrays if fused else jax.tree.map(jnp.zeros_like, params)
+        out = arrays if fused else jax.tree.map(jnp.zeros_like, params)
         state_out, ran = state_in, pred
     else:
         counter = (jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
         run = inner.apply if fused else inner.update
-        result, state_out, count, (cleared,) = update_if(
+        out, state_out, count, (cleared,) = update_if(
             pred, run, (acc,), state_in, carry=arrays, counter=counter, form=form
         )
         # Cleared only where the inner optimizer reads the accumulator as stored.
@@ -139,6 +146,6 @@ def run_window(
         acc = jax.tree.map(lambda c, a, s: c if s else a, cleared, acc, same)
         ran = count == 1
     if fused:
-        result = merge_trainable(params, result)
+        out = merge_trainable(params, out)
     inner_state, emitted = inner.unwrap(state_out, ran)
-    return result, inner_state, acc, emitted
+    return out, inner_state, acc, emitted
