@@ -18,6 +18,7 @@ from ._accumulate.arithmetic import check_accumulator_dtype, zero_accumulator
 from ._accumulate.branch import choose_form
 from ._accumulate.devices import device_state
 from ._accumulate.window import MiniStep, StepInputs, Window, run_window
+from ._accumulate.xla import Mechanisms
 from ._leaves import accumulated, restore_none
 from ._multi_steps_checks import (
     check_bool,
@@ -144,12 +145,13 @@ class MultiSteps(Configured):
         skip_fn = check_skip_fn(should_skip_update_fn)
         accumulator_dtype = check_accumulator_dtype(accumulator_dtype, complex_ok=True)
         args = (every_k_schedule, use_grad_mean, should_skip_update_fn)
-        self._key = config_key(opt, *args, accumulator_dtype, axis_name, weighted)
+        on = Mechanisms()  # last in the key: `xla.configured` changes it
+        self._key = config_key(opt, *args, accumulator_dtype, axis_name, weighted, on)
         kind = (Weighted if weighted else Plain)(use_grad_mean)
         # The inner optimizer as given too: `apply_gradients` fuses through a
         # nested MultiSteps or skip_when, which `with_extra_args` would hide.
         inner = (with_extra_args(opt), opt, device_state(axis_name), kind)
-        self._window = Window(*inner, accumulator_dtype, {}, every_k, skip_fn)
+        self._window = Window(*inner, accumulator_dtype, {}, every_k, skip_fn, on)
         self._devices, self._accumulation = self._window.devices, kind
 
     @property

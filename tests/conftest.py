@@ -1,5 +1,6 @@
 import os
 import shlex
+from typing import NamedTuple
 
 # CPU unless the caller chose: `JAX_PLATFORMS=cuda` (or set and empty, for
 # JAX's own choice) runs the suite on a GPU (README, "Running the tests on a
@@ -173,15 +174,25 @@ def _skip_multidevice(items):
         item.add_marker(skip)
 
 
+class WindowForm(NamedTuple):
+    """A form of the drop-in's step (`window_form`): `form(opt)` is the
+    `MultiSteps` `opt` configured to run in it."""
+
+    name: str
+
+    def __call__(self, opt):
+        from optax_ext._accumulate import xla
+
+        on = {"cpu", "cuda", "rocm", "tpu"} if self.name == "conditional" else ()
+        return xla.configured(opt, drop_in_conditional_on=frozenset(on))
+
+
 @pytest.fixture(params=["conditional", "every step"])
 def window_form(request):
     """Runs a test with each form of the drop-in's step: the inner
     optimizer in a conditional, or on every step with its results
     selected (as on GPUs and TPUs). Which one a program gets depends on
-    the backend (`optax_ext/_accumulate/xla.drop_in_in_conditional`), so
-    the tests that take this fixture check both, whatever runs them."""
-    from optax_ext._accumulate import xla
-
-    platforms = {"cpu", "cuda", "rocm", "tpu"} if request.param == "conditional" else ()
-    with xla.using(drop_in_conditional_on=frozenset(platforms)):
-        yield request.param
+    the backend (`xla.Mechanisms.drop_in_conditional_on`), so the tests
+    that take this fixture build their `MultiSteps` in each form,
+    `window_form(opt)`, and check both, whatever runs them."""
+    return WindowForm(request.param)

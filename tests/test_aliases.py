@@ -205,11 +205,13 @@ MULTISTEPS_ULPS = (
 )
 
 
-def _check_multisteps(name, variant, dtype, use_grad_mean=True):
+def _check_multisteps(name, variant, dtype, use_grad_mean=True, form=None):
+    """`form`: the `window_form` to build the `MultiSteps` in, if not its own."""
     dtype = jnp.dtype(dtype)
     params = A.params(dtype)
     steps, windows, emit_at = _scenario(variant, dtype)
-    state0, out = _run(_multisteps(name, variant, use_grad_mean), params, steps)
+    opt = _multisteps(name, variant, use_grad_mean)
+    state0, out = _run(form(opt) if form else opt, params, steps)
     reduced = [A.window_reduce(w, dtype, mean=use_grad_mean) for w in windows]
     kind = "zero_nans" if variant == "zero_nans" else "make"
     ref_updates_per_window = _run_reference(name, kind, params, reduced)
@@ -269,14 +271,14 @@ def test_multisteps_in_the_other_form_emits_inner_on_window_mean(
     on every step, as on GPUs and TPUs, where XLA:CPU runs it in a
     conditional; every alias in float32, `NARROW`'s in bfloat16. float16
     takes bfloat16's path through the selection."""
-    _check_multisteps(name, "plain", FLOATS[dtype])
+    _check_multisteps(name, "plain", FLOATS[dtype], form=window_form)
 
 
 @pytest.mark.parametrize(
     "name", [n for n in ("sgd", "adam", "lion", "muon") if n in NAMES]
 )
 def test_multisteps_sum_of_window(name, window_form):
-    _check_multisteps(name, "plain", jnp.float32, use_grad_mean=False)
+    _check_multisteps(name, "plain", jnp.float32, use_grad_mean=False, form=window_form)
 
 
 # --------------------------------------------------------------------------

@@ -281,7 +281,7 @@ def test_mini_step_runs_no_inner_optimizer(backend, layout, inner, dtype, form):
 
 def drop_in_in_conditional(backend):
     """Whether the drop-in `update` runs the inner optimizer in a
-    conditional (`optax_ext/_accumulate/xla.drop_in_in_conditional`):
+    conditional (`optax_ext/_accumulate/xla.Mechanisms.drop_in_conditional_on`):
     on XLA:CPU; elsewhere on every step, as optax does."""
     return backend == "cpu"
 

@@ -54,7 +54,7 @@ def test_host_chosen_windows_equal_optax_on_the_window_mean(window_form):
     the params after each window are optax's adamw step on the window's
     mean (float64, rounded once), the params between emitting steps are
     unchanged, and the counters are those of the conditional form."""
-    opt = optax_ext.MultiSteps(optax.adamw(1e-2), K)
+    opt = window_form(optax_ext.MultiSteps(optax.adamw(1e-2), K))
     params, state = PARAMS, opt.init(PARAMS)
     ref_params, ref_state = PARAMS, optax.adamw(1e-2).init(PARAMS)
     t = 0

@@ -7,6 +7,7 @@ apart (each jitted on its own), never a shared compile.
 """
 
 import functools
+import pathlib
 
 import hypothesis
 import hypothesis.strategies as st
@@ -441,3 +442,45 @@ def test_a_mask_dict_changed_after_building_changes_nothing():
     jitted = jax.jit(opt.update)(params, jax.jit(opt.init)(params), params)[0]
     for got in (eager, jitted):
         np.testing.assert_allclose(got["b"], want["b"], rtol=1e-6)
+
+
+# -- the XLA mechanisms are part of the configuration -------------------------
+
+
+def test_mechanisms_are_configuration_and_no_process_state():
+    """A `MultiSteps` holds its XLA mechanisms (`xla.configured` changes
+    them, for tests and benchmarks): equal ones compare and hash equal,
+    differently configured ones unequal, so a jit cache keyed on the
+    optimizer compiles each its own form in one process, in any order,
+    with no cache cleared: the drop-in's conditional on every platform,
+    or on none."""
+    from optax_ext._accumulate import xla
+
+    inner = optax.adam(1e-3)
+    default = optax_ext.MultiSteps(inner, 3)
+    assert default == optax_ext.MultiSteps(inner, 3) == xla.configured(default)
+    everywhere = frozenset({"cpu", "cuda", "rocm", "tpu"})
+    kept = xla.configured(default, drop_in_conditional_on=everywhere)
+    selected = xla.configured(default, drop_in_conditional_on=frozenset())
+    again = xla.configured(
+        optax_ext.MultiSteps(inner, 3), drop_in_conditional_on=frozenset()
+    )
+    assert selected == again and hash(selected) == hash(again)
+    assert len({default, kept, selected}) == 3
+
+    step = jax.jit(lambda opt, g, s: opt.update(g, s, g), static_argnums=0)
+    params = jnp.zeros(5)
+
+    def conditionals(opt):
+        compiled = step.lower(opt, params, opt.init(params)).compile()
+        return compiled.as_text().count(" conditional(")
+
+    counts = [conditionals(opt) for opt in (kept, selected, again, kept)]
+    assert [n > 0 for n in counts] == [True, False, False, True], counts
+
+
+def test_no_module_clears_jax_caches():
+    """A library does not reset the process it runs in."""
+    root = pathlib.Path(optax_ext.__file__).parent
+    found = [p.name for p in root.rglob("*.py") if "clear_caches" in p.read_text()]
+    assert found == []

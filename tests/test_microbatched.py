@@ -470,7 +470,7 @@ def test_adam_step_equals_multi_steps_on_the_same_microbatches(
         grads = optax_ext.microbatched(grad_fn, K, **acc)(params, batch)
         return adam.update(grads, adam_state, params)[0]
 
-    opt = optax_ext.MultiSteps(adam, K, **acc)
+    opt = window_form(optax_ext.MultiSteps(adam, K, **acc))
 
     @jax.jit
     def mini_step(params, state, micro):

@@ -115,7 +115,7 @@ def test_weighted_window_equals_inner_optimizer_on_big_batch_token_mean(
 ):
     params = params32()
     windows = _batches(WINDOWS)
-    opt = optax_ext.MultiSteps(INNERS[inner](), K, weighted=True)
+    opt = window_form(optax_ext.MultiSteps(INNERS[inner](), K, weighted=True))
     got, state = _weighted_run(opt, params, windows, form)
     want = _reference(INNERS[inner], params, windows)
     for (got_updates, got_params), (want_updates, want_params) in zip(
@@ -200,7 +200,7 @@ def test_random_token_counts_give_the_big_batch_gradient(window_form, windows, s
     params = params32()
     batches = _batches(windows, seed)
     got, _ = _weighted_run(
-        optax_ext.MultiSteps(optax.sgd(1.0), K, weighted=True),
+        window_form(optax_ext.MultiSteps(optax.sgd(1.0), K, weighted=True)),
         params,
         batches,
         "update",

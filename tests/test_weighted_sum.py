@@ -109,7 +109,7 @@ def test_window_applies_the_inner_optimizer_to_the_token_summed_gradient(
 ):
     params, windows = params32(), _batches(WINDOWS)
     opt = optax_ext.MultiSteps(INNERS[inner](), K, weighted=True, use_grad_mean=False)
-    got, state = _run(opt, params, windows, form)
+    got, state = _run(window_form(opt), params, windows, form)
     for g, w in zip(got, _reference(INNERS[inner], params, windows), strict=True):
         _assert_close(g, w)
     # The window without a token was not applied, nor counted.

@@ -15,13 +15,12 @@ branch), copies of a params-leaf-sized array (every step, and inside the
 emitting branch), temporary memory over the params' bytes. On XLA:CPU
 the mini-step and the emitting step are also timed, candidates
 interleaved (`_timing.time_interleaved`). A variant replaces one mechanism by
-its plain form while the step is traced.
+its plain form in the optimizer's configuration (`xla.configured`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -84,9 +83,9 @@ VARIANTS = {
 }
 
 
-def patched(variant: str) -> contextlib.AbstractContextManager:
-    """The step traced with `variant`'s mechanisms switched off."""
-    return xla.using(**VARIANTS[variant][1])
+def configured(opt: optax_ext.MultiSteps, variant: str) -> optax_ext.MultiSteps:
+    """`opt` with `variant`'s mechanisms switched off."""
+    return xla.configured(opt, **VARIANTS[variant][1])
 
 
 def _step(opt, form):
@@ -110,11 +109,10 @@ def measure(inner: str, layout: str, backends: list[str], rounds: int) -> dict:
     for variant in VARIANTS:
         for form in ("drop-in", "fused"):
             for backend in backends:
-                opt = optax_ext.MultiSteps(INNER[inner][0](), K)
-                with patched(variant):
-                    compiled = _compiled.compile_step(
-                        backend, _step(opt, form), params, opt.init(params), params
-                    )
+                opt = configured(optax_ext.MultiSteps(INNER[inner][0](), K), variant)
+                compiled = _compiled.compile_step(
+                    backend, _step(opt, form), params, opt.init(params), params
+                )
                 r = _compiled.report(compiled, big, INNER[inner][1])
                 out[f"{variant}|{form}|{backend}"] = {
                     "kept": r["conditionals"] >= 1 and r["markers_outside"] == 0,
@@ -124,10 +122,12 @@ def measure(inner: str, layout: str, backends: list[str], rounds: int) -> dict:
                 }
             if rounds:
                 for emit in (False, True):
-                    opt = optax_ext.MultiSteps(INNER[inner][0](), 1 if emit else 10**9)
-                    with patched(variant):
-                        fn = jax.jit(_step(opt, form), donate_argnums=(0, 1))
-                        fn = fn.lower(params, opt.init(params), params).compile()
+                    k = 1 if emit else 10**9
+                    opt = configured(
+                        optax_ext.MultiSteps(INNER[inner][0](), k), variant
+                    )
+                    fn = jax.jit(_step(opt, form), donate_argnums=(0, 1))
+                    fn = fn.lower(params, opt.init(params), params).compile()
                     runners.append(_runner(fn, opt, params, f"{variant}|{form}|{emit}"))
     if rounds:
         time_interleaved(runners, rounds)

@@ -23,7 +23,7 @@ class Form(enum.Enum):
 
     CONDITIONAL = "conditional"  # in one `lax.cond`, on the steps it runs
     SELECTED = "selected"  # on every step, its results selected
-    PER_PLATFORM = "per platform"  # the drop-in: `xla.drop_in_in_conditional`
+    PER_PLATFORM = "per platform"  # the drop-in: `Mechanisms.drop_in_conditional_on`
     FOLD = "fold"  # not at all: the host says the window goes on
 
 
@@ -86,21 +86,21 @@ def _called(traced: _Traced, operands: tuple, state: PyTree, carry) -> list:
     return [cast_like(x, a) for x, a in zip(leaves, traced.out_avals, strict=True)]
 
 
-def _conditional(pred, traced, operands, state, carry, counter) -> tuple:
+def _conditional(pred, traced, operands, state, carry, counter, on) -> tuple:
     """The step in one `lax.cond`, the other branch returning the carry (or
-    distinct zeros) and the state as they came in."""
+    distinct zeros) and the state as they came in; `on`: the mechanisms."""
     ran, kept = counter
 
     def run(operands, state, carry, seed):
-        (operands, state), count = xla.scalar_barrier((operands, state), ran)
+        (operands, state), count = xla.scalar_barrier((operands, state), ran, on)
         leaves = _called(traced, operands, state, carry)
-        leaves = xla.state_after_updates(leaves, traced.n_updates, traced.to_order)
+        leaves = xla.state_after_updates(leaves, traced.n_updates, traced.to_order, on)
         return jax.tree.unflatten(traced.out_def, leaves), count
 
     def skip(operands, state, carry, seed):
         if carry is not None:
             return (carry, state), kept
-        zeros = xla.distinct_zeros(traced.out_avals[: traced.n_updates], seed)
+        zeros = xla.distinct_zeros(traced.out_avals[: traced.n_updates], seed, on)
         updates_def = traced.out_def.children()[0]
         return (jax.tree.unflatten(updates_def, zeros), state), kept
 
@@ -111,10 +111,15 @@ def _conditional(pred, traced, operands, state, carry, counter) -> tuple:
 
 
 def _selected(pred, traced, operands, state, carry, counter) -> tuple:
-    """The step run unconditionally, its results selected by `pred`."""
+    """The step run unconditionally, its results and new state selected by
+    `pred` (else the carry, or zeros, and the state as it came in)."""
     leaves = _called(traced, operands, state, carry)
-    new = jax.tree.unflatten(traced.out_def, leaves)
-    result, new_state = select_results(pred, new, (carry, state), carry is not None)
+    result, new_state = jax.tree.unflatten(traced.out_def, leaves)
+    if carry is not None:
+        result = jax.tree.map(lambda n, o: jnp.where(pred, n, o), result, carry)
+    else:
+        result = jax.tree.map(lambda u: jnp.where(pred, u, 0).astype(u.dtype), result)
+    new_state = jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, state)
     return result, new_state, jnp.where(pred, *counter)
 
 
@@ -125,32 +130,34 @@ def update_if(
     inner_state: PyTree,
     *,
     carry: PyTree = None,
-    counter: tuple[jax.Array, jax.Array] | None = None,
-    form: Form = Form.CONDITIONAL,
+    form: Form | None = None,
+    mechanisms: xla.Mechanisms = xla.Mechanisms(),  # noqa: B008 - frozen
 ) -> tuple[PyTree, PyTree, jax.Array | None, tuple]:
     """`inner_update(*operands, inner_state)` where `pred`, else zero
     updates (or `carry`, which it then also takes) and `inner_state` as it
-    came in, the new state in the old one's avals. With `counter`
-    `(ran, kept)`, the third output is `ran` where it ran, else `kept`.
+    came in, the new state in the old one's avals, with the XLA `mechanisms`.
+    With a `form`, the third output is 1 where it ran, else 0; without, it
+    is `None`, the step in a conditional, or decided where `pred` is known.
     The fourth is `operands`, zeroed where `pred` on the platforms where
     the per-platform form runs selected (`xla.cleared`)."""
     known = known_bool(pred)
-    if known is not None and counter is None:
+    if known is not None and form is None:
         decided = _decided(known, inner_update, operands, inner_state, carry)
         return (*decided, None, operands)
     one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)
     traced = _traced(inner_update, operands, inner_state, carry)
-    args = (pred, traced, operands, inner_state, carry, counter or (one, zero))
+    args = (pred, traced, operands, inner_state, carry, (one, zero))
     if form is Form.SELECTED:
         result, new_state, count = _selected(*args)
     elif form is Form.PER_PLATFORM:
         (result, new_state, count), operands = xla.per_platform(
-            lambda: (_selected(*args), xla.cleared(pred, operands)),
-            lambda: (_conditional(*args), operands),
+            lambda: (_selected(*args), xla.cleared(pred, operands, mechanisms)),
+            lambda: (_conditional(*args, mechanisms), operands),
+            mechanisms,
         )
     else:
-        result, new_state, count = _conditional(*args)
-    return result, new_state, None if counter is None else count, operands
+        result, new_state, count = _conditional(*args, mechanisms)
+    return result, new_state, None if form is None else count, operands
 
 
 def _decided(
@@ -162,19 +169,6 @@ def _decided(
     if carry is not None:
         return carry, inner_state
     return _zeros_of(inner_update, operands, inner_state), inner_state
-
-
-def select_results(
-    pred: jax.Array, new: tuple, old: tuple, carried: bool
-) -> tuple[PyTree, PyTree]:
-    """The new results and state where `pred`, the old (or zeros) elsewhere."""
-    (result, new_state), (carry, inner_state) = new, old
-    if carried:
-        result = jax.tree.map(lambda n, o: jnp.where(pred, n, o), result, carry)
-    else:
-        result = jax.tree.map(lambda u: jnp.where(pred, u, 0).astype(u.dtype), result)
-    new_state = jax.tree.map(lambda n, o: jnp.where(pred, n, o), new_state, inner_state)
-    return result, new_state
 
 
 def known_bool(x: Any) -> bool | None:

@@ -18,6 +18,7 @@ from .accumulations import Plain
 from .accumulator import Weights
 from .branch import Form, update_if
 from .devices import SingleDeviceState
+from .xla import Mechanisms
 
 
 class Window(NamedTuple):
@@ -31,6 +32,7 @@ class Window(NamedTuple):
     inner_structures: dict  # `check_state_structure`'s answers by the avals
     every_k_schedule: Any  # the gradient step to the window's length
     should_skip_update_fn: Any  # `None` or the function, as given
+    mechanisms: Mechanisms  # the XLA mechanisms its step runs with
 
 
 class StepInputs(NamedTuple):
@@ -136,10 +138,9 @@ def run_window(
         out = arrays if fused else jax.tree.map(jnp.zeros_like, params)
         state_out, ran = state_in, pred
     else:
-        counter = (jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
-        run = inner.apply if fused else inner.update
+        run, on = (inner.apply if fused else inner.update), window.mechanisms
         out, state_out, count, (cleared,) = update_if(
-            pred, run, (acc,), state_in, carry=arrays, counter=counter, form=form
+            pred, run, (acc,), state_in, carry=arrays, form=form, mechanisms=on
         )
         # Cleared only where the inner optimizer reads the accumulator as stored.
         same = jax.tree.map(lambda a, d: jnp.result_type(a) == d, acc, inner.dtypes)

@@ -1,13 +1,14 @@
 """The XLA mechanisms of the accumulation, in one place: each keeps one
-backend's compiler from undoing what the code writes, and `using` switches
-them off to measure what it buys (docs/design.md, "Mechanisms per backend")."""
+backend's compiler from undoing what the code writes. A `MultiSteps` holds
+its `Mechanisms`; `configured` switches them off to measure what they buy
+(docs/design.md, "Mechanisms per backend")."""
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,6 +25,7 @@ from .._sharding import (
     typed_sharding,
     varying_axes,
 )
+from .._static import ConfigKey
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,29 +39,15 @@ class Mechanisms:
     clear_when_selected: bool = True
 
 
-_ACTIVE = [Mechanisms()]
-
-
-def active() -> Mechanisms:
-    return _ACTIVE[-1]
-
-
-@contextlib.contextmanager
-def using(**changes: Any) -> Iterator[Mechanisms]:
-    """Traces inside run with `changes` to the mechanisms (for benchmarks
-    and tests); JAX's caches are cleared on entry and exit."""
-    _ACTIVE.append(dataclasses.replace(active(), **changes))
-    jax.clear_caches()
-    try:
-        yield active()
-    finally:
-        _ACTIVE.pop()
-        jax.clear_caches()
-
-
-def drop_in_in_conditional(platform: str) -> bool:
-    """Whether the drop-in `update` keeps its conditional on `platform`."""
-    return platform in active().drop_in_conditional_on
+def configured(opt: Any, **changes: Any) -> Any:
+    """A copy of the `MultiSteps` `opt` with `changes` to its mechanisms
+    (for benchmarks and tests), equal to `opt` only where they change
+    nothing; its last configuration key is its mechanisms."""
+    mechanisms = dataclasses.replace(opt._window.mechanisms, **changes)
+    new = copy.copy(opt)
+    new._window = opt._window._replace(mechanisms=mechanisms)
+    new._key = (*opt._key[:-1], ConfigKey(mechanisms))
+    return new
 
 
 def _first_bits(x: jax.Array) -> jax.Array | None:
@@ -132,7 +120,7 @@ def old_value_read_first(
 
 
 def state_after_updates(
-    leaves: list[Any], n_updates: int, to_order: list[bool]
+    leaves: list[Any], n_updates: int, to_order: list[bool], on: Mechanisms
 ) -> list[Any]:
     """On XLA:CPU, each new state array in `to_order` computed after every
     update (or new params) leaf, so that it is written in place."""
@@ -147,7 +135,7 @@ def state_after_updates(
         and jnp.issubdtype(leaves[i].dtype, jnp.number)
     ]
     unreadable = any(varying_axes(x) or typed_sharding(x) for x in leaves)
-    if not at or not ordered or unreadable or not active().state_after_updates:
+    if not at or not ordered or unreadable or not on.state_after_updates:
         return leaves
 
     def after(updates, state):
@@ -169,10 +157,12 @@ def state_after_updates(
     return out
 
 
-def scalar_barrier(tree: PyTree, ran: jax.Array) -> tuple[PyTree, jax.Array]:
+def scalar_barrier(
+    tree: PyTree, ran: jax.Array, on: Mechanisms
+) -> tuple[PyTree, jax.Array]:
     """`tree` and `ran` with `ran` and every scalar leaf of `tree` behind an
     optimization barrier, one per set of mesh axes they vary over."""
-    if not active().scalar_barrier:
+    if not on.scalar_barrier:
         return tree, ran
     leaves, treedef = jax.tree.flatten(tree)
     scalars = [
@@ -200,10 +190,12 @@ def scalar_barrier(tree: PyTree, ran: jax.Array) -> tuple[PyTree, jax.Array]:
 DISTINCT_ZEROS_MIN_SIZE = 1 << 16
 
 
-def distinct_zeros(avals: list[Any], seed: jax.Array | None) -> list[jax.Array]:
+def distinct_zeros(
+    avals: list[Any], seed: jax.Array | None, on: Mechanisms
+) -> list[jax.Array]:
     """Zeros of `avals`, each large one `float(seed + i) * 0`, which XLA
     neither folds nor merges; plain zeros without a traced `seed`."""
-    if not active().distinct_zeros:
+    if not on.distinct_zeros:
         seed = None
     out = []
     for i, aval in enumerate(avals):
@@ -226,21 +218,22 @@ def distinct_zeros(avals: list[Any], seed: jax.Array | None) -> list[jax.Array]:
     return out
 
 
-def cleared(pred: jax.Array, tree: PyTree) -> PyTree:
+def cleared(pred: jax.Array, tree: PyTree, on: Mechanisms) -> PyTree:
     """`tree` zeroed where `pred`: the drop-in's accumulator where it runs
     selected, as optax.MultiSteps clears it (docs/design.md, "Mechanisms
     per backend")."""
-    if not active().clear_when_selected:
+    if not on.clear_when_selected:
         return tree
     return jax.tree.map(lambda a: jnp.where(pred, jnp.zeros_like(a), a), tree)
 
 
-def per_platform(selected: Callable[[], Any], conditional: Callable[[], Any]) -> Any:
-    """`conditional()` on the platforms `drop_in_in_conditional` names,
-    `selected()` on the others, chosen when the program is lowered."""
+def per_platform(selected: Callable, conditional: Callable, on: Mechanisms) -> Any:
+    """`conditional()` on the platforms `on.drop_in_conditional_on` names
+    (where the drop-in keeps its conditional), `selected()` on the others,
+    chosen when the program is lowered."""
 
     def pick(platform: str) -> Callable[[], Any]:
-        return conditional if drop_in_in_conditional(platform) else selected
+        return conditional if platform in on.drop_in_conditional_on else selected
 
     if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
         return pick(jax.default_backend())()
