@@ -109,6 +109,18 @@ def _model(name, dtype):
     return ts._gpt(dtype)
 
 
+def _available(backends):
+    """(backend, its name in the tables) for each backend this JAX compiles
+    for; the others are skipped, saying why."""
+    for backend in backends:
+        why = unavailable(backend)
+        if why:
+            print(f"{backend}: skipped ({why})", file=sys.stderr)
+            continue
+        name = {"cpu": f"XLA:CPU (jax {jax.__version__})", "gpu": "H200"}
+        yield backend, name.get(backend, "TPU v5e")
+
+
 def compiled_step(backend, model, dtype, inner, accumulator, form):
     """(the form's whole train step compiled for `backend`, the params);
     form `grads`: the loss and `jax.grad` alone, returning the gradients."""
@@ -334,13 +346,7 @@ def microbatched_lines(args, stamp):
             "| peak, optax | peak, microbatched |",
             "|---|---|---|---|---|---|---|",
         ]
-    for backend in args.backends:
-        why = unavailable(backend)
-        if why:
-            print(f"{backend}: skipped ({why})", file=sys.stderr)
-            continue
-        name = {"cpu": f"XLA:CPU (jax {jax.__version__})", "gpu": "H200"}
-        name = name.get(backend, "TPU v5e")
+    for backend, name in _available(args.backends):
         if not args.estimate:
             lines += microbatched_memory(backend, name, args.models)
             continue
@@ -510,13 +516,7 @@ def main():
             "| backend | model | dtype | inner | " + " | ".join(COLUMNS) + " |",
             "|" + " --- |" * (4 + len(COLUMNS)),
         ]
-    for backend in args.backends:
-        why = unavailable(backend)
-        if why:
-            print(f"{backend}: skipped ({why})", file=sys.stderr)
-            continue
-        name = {"cpu": f"XLA:CPU (jax {jax.__version__})", "gpu": "H200"}
-        name = name.get(backend, "TPU v5e")
+    for backend, name in _available(args.backends):
         if args.estimate:
             for model in args.models:
                 for dtype in args.dtypes:
