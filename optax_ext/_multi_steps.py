@@ -138,20 +138,27 @@ class MultiSteps(Configured):
         weighted: bool = False,
     ):
         check_transformation(opt, "opt")
-        mean = "use_grad_mean must be True (the window's gradients averaged) or False"
-        use_grad_mean = check_bool(use_grad_mean, mean + " (summed)")
+        mean = "use_grad_mean must be True (the gradients averaged) or False (summed)"
+        use_grad_mean = check_bool(use_grad_mean, mean)
         weighted = check_bool(weighted, "weighted must be True or False")
-        every_k = validate_every_k(every_k_schedule)
-        skip_fn = check_skip_fn(should_skip_update_fn)
         accumulator_dtype = check_accumulator_dtype(accumulator_dtype, complex_ok=True)
-        args = (every_k_schedule, use_grad_mean, should_skip_update_fn)
         on = Mechanisms()  # last in the key: `xla.configured` changes it
-        self._key = config_key(opt, *args, accumulator_dtype, axis_name, weighted, on)
+        given = (every_k_schedule, use_grad_mean, should_skip_update_fn)
+        self._key = config_key(opt, *given, accumulator_dtype, axis_name, weighted, on)
         kind = (Weighted if weighted else Plain)(use_grad_mean)
-        # The inner optimizer as given too: `apply_gradients` fuses through a
-        # nested MultiSteps or skip_when, which `with_extra_args` would hide.
-        inner = (with_extra_args(opt), opt, device_state(axis_name), kind)
-        self._window = Window(*inner, accumulator_dtype, {}, every_k, skip_fn, on)
+        self._window = Window(
+            inner=with_extra_args(opt),
+            # As given too: `apply_gradients` fuses through a nested
+            # MultiSteps or skip_when, which `with_extra_args` would hide.
+            fusable_inner=opt,
+            devices=device_state(axis_name),
+            accumulation=kind,
+            accumulator_dtype=accumulator_dtype,
+            inner_structures={},
+            every_k_schedule=validate_every_k(every_k_schedule),
+            should_skip_update_fn=check_skip_fn(should_skip_update_fn),
+            mechanisms=on,
+        )
         self._devices, self._accumulation = self._window.devices, kind
 
     @property
