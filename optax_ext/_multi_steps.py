@@ -46,14 +46,15 @@ def _next_state(
     state: State, step: MiniStep, emitted: jax.Array, window: Window, fields: tuple
 ) -> State:
     """The state after a mini-step with `fields` (optax's after the
-    counters), its counters moved by selection and saturating."""
+    counters, then the carry), its counters moved by selection and saturating."""
     mini_step = jnp.asarray(state.mini_step)
     count = jnp.where(step.should_skip, mini_step, saturating_increment(mini_step))
     mini = jnp.where(step.window_end, 0, count).astype(mini_step.dtype)
     gradient = jnp.asarray(state.gradient_step)
     gradient = jnp.where(emitted, saturating_increment(gradient), gradient)
-    extra = window.accumulation.after(step, window.devices)
-    return window.accumulation.state((mini, gradient, *fields), extra)
+    *fields, carry = fields
+    carry = window.accumulation.after(carry, step, window.devices)
+    return window.accumulation.state((mini, gradient, *fields), carry)
 
 
 def _as_optax_holds_it(state: Any) -> Any:
@@ -63,7 +64,7 @@ def _as_optax_holds_it(state: Any) -> Any:
     acc = jax.tree.map(
         lambda a: jnp.where(start, jnp.zeros_like(a), a), state.acc_grads
     )
-    nested = lambda s: isinstance(s, State)  # noqa: E731
+    nested = lambda s: isinstance(s, optax.MultiStepsState)  # noqa: E731
     inner = jax.tree.map(
         lambda s: _as_optax_holds_it(s) if nested(s) else s,
         state.inner_opt_state,
@@ -186,8 +187,8 @@ class MultiSteps(Configured):
             acc_grads=w.devices.add_axis(state.acc_grads),
             skip_state=w.devices.add_axis(state.skip_state),
         )
-        extra = w.accumulation.init(acc_grads, w.devices)
-        return w.accumulation.state(tuple(state), extra)
+        carry = w.accumulation.init(acc_grads, w.devices)
+        return w.accumulation.state(tuple(state), carry)
 
     def state_specs(self) -> State:
         """`PartitionSpec`s of the state (a prefix of its tree) for
@@ -195,8 +196,9 @@ class MultiSteps(Configured):
         `skip_state` (and a weighted state's `acc_weight`) with `axis_name`."""
         same: Any = jax.sharding.PartitionSpec()
         own = self._devices.spec()
-        extra = (own,) * (len(self._accumulation.State._fields) - 5)
-        return self._accumulation.state((same, same, same, own, own), extra)
+        carry = jax.eval_shape(lambda: self._accumulation.init((), self._devices))
+        carry = jax.tree.map(lambda _: own, carry)
+        return self._accumulation.state((same, same, same, own, own), carry)
 
     def update(
         self,
@@ -239,22 +241,26 @@ class MultiSteps(Configured):
         step = self._decide(inputs, state, emit)
         form = choose_form(fused, emit, self._devices.per_device)
         args = (step, inputs, state.acc_grads, state.inner_opt_state)
-        out, inner_state, acc, emitted = run_window(self._window, form, fused, *args)
+        out, inner_state, acc, carry, emitted = run_window(
+            self._window, form, fused, *args
+        )
         out = merge_trainable(params, out) if fused else restore_none(grads, out)
         inner_state = strong_as_recorded(inner_state, inputs.record)
-        fields = (inner_state, acc, self._devices.add_axis(inputs.skip_state))
+        skip_state = self._devices.add_axis(inputs.skip_state)
+        fields = (inner_state, acc, skip_state, carry)
         return out, _next_state(state, step, emitted, self._window, fields)
 
     def _decide(self, inputs: StepInputs, state: State, emit: bool | None) -> MiniStep:
         """This mini-step's decisions: its weights, whether it ends its
         window (at `k` accepted mini-steps, or as `emit` says)."""
         mini_step = jnp.asarray(state.mini_step)
-        extra = self._accumulation.extra(state)
-        stored, weights = self._accumulation.begin(extra, inputs.weight, mini_step)
+        carry = self._accumulation.carry(state)
+        weights = self._accumulation.begin(carry, inputs.weight, mini_step)
         ends = _window_complete(mini_step, inputs.k) if emit is None else emit
         skip = inputs.should_skip
         window_end = jnp.logical_and(jnp.logical_not(skip), ends)
-        return MiniStep(window_end, skip, mini_step, weights, stored)
+        gradient_step = jnp.asarray(state.gradient_step)
+        return MiniStep(window_end, skip, mini_step, gradient_step, weights, carry)
 
     def optax_state(self, state: State) -> State:
         """`state` as `optax.MultiSteps` holds it at the same step, for it

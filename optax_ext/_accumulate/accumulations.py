@@ -1,9 +1,13 @@
 """`MultiSteps`' accumulations, one class each, each owning its carry
-(`acc_grads` and its own scalars, `extra`) from `init` to `finalize`:
-`MultiSteps`, the window and the devices never ask which kind they hold."""
+from `init` to `finalize`: `acc_grads` and the state fields after
+optax's (a dict while a step runs). `MultiSteps`, the window and the
+devices never ask which kind they hold. A `Part` adds a field and what it
+sees of every mini-step and window (`NoiseScale`)."""
 
 from __future__ import annotations
 
+import collections
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -45,13 +49,15 @@ _MSG_WEIGHT_HELD = (
     "state.acc_weight) do not hold: {2} keeps {3:.3g} to {4:.3g}, and XLA flushes a "
     "smaller one to 0. Only the weights' ratios matter: scale them all alike."
 )
-_MSG_NO_ACC_WEIGHT = (
-    "{}'s `{}` has no acc_weight: got {}, not the WeightedMultiStepsState that "
-    "its init returns. Build the state with this MultiSteps' init."
+_MSG_FIELDS = (
+    "{}'s `{}` has no {}: got {}, not the state this MultiSteps' init returns "
+    "(optax.MultiStepsState's fields, then {}). Build the state with this "
+    "MultiSteps' init."
 )
 _MSG_OTHER_KIND = (
-    "{} got a WeightedMultiStepsState (from MultiSteps(..., weighted=True).init) for a "
-    "MultiSteps built without weighted=True; build both with the same `weighted`."
+    "{} got a {} with the fields {} after optax's, from the init of a MultiSteps "
+    "built with other arguments (weighted=True, noise_scale=True) than this one, "
+    "whose state ends at {}; build both with the same arguments."
 )
 _MSG_AS_OPTAX = (
     "MultiSteps.optax_state got a weighted state: optax.MultiSteps has no weighted "
@@ -79,89 +85,130 @@ class WeightedMultiStepsState(NamedTuple):
     or complex128 accumulators). With `axis_name`, this device's own."""
 
 
-State = optax.MultiStepsState | WeightedMultiStepsState
+State = Any  # `state_type(fields)` for the kind's `fields`
+OPTAX_FIELDS = optax.MultiStepsState._fields
+
+
+@functools.cache
+def state_type(fields: tuple[str, ...]) -> Any:
+    """The state's NamedTuple: `optax.MultiStepsState`'s fields, then `fields`."""
+    known = {(): optax.MultiStepsState, ("acc_weight",): WeightedMultiStepsState}
+    if fields in known:
+        return known[fields]
+    return collections.namedtuple("MultiStepsState", OPTAX_FIELDS + fields)
 
 
 class Plain:
     """The window's running mean (`mean=True`) or sum of its gradients, in
-    `optax.MultiStepsState`; no scalars of its own (`extra` is `()`)."""
+    `optax.MultiStepsState` (with each part's field after optax's)."""
 
-    State: Any = optax.MultiStepsState  # optax's fields, then `extra`'s
+    fields: tuple[str, ...] = ()  # its own, before its parts'
     weighted = False  # whether a mini-step has a `weight=`
     may_be_empty = False  # whether a window may hold nothing to apply
 
-    def __init__(self, mean: bool):
+    def __init__(self, mean: bool, parts: tuple = ()):
         self.arithmetic = Accumulator(mean, self.weighted)
+        self.parts = parts
+        self.state_type = state_type(self.fields + tuple(p.field for p in parts))
 
-    def init(self, acc_grads: PyTree, devices: Any) -> tuple:
-        """`extra` at the start."""
-        return ()
+    def init(self, acc_grads: PyTree, devices: Any) -> dict:
+        """The carry (besides `acc_grads`) at the start."""
+        return {p.field: devices.add_axis(p.init()) for p in self.parts}
 
-    def state(self, fields: tuple, extra: tuple) -> State:
-        """The state of `fields` (optax's, in order) and `extra`."""
-        return self.State(*fields, *extra)
+    def state(self, fields: tuple, carry: dict) -> State:
+        """The state of optax's `fields` and the `carry`."""
+        names = self.state_type._fields[len(OPTAX_FIELDS) :]
+        return self.state_type(*fields, *(carry[n] for n in names))
 
-    def extra(self, state: Any) -> tuple:
+    def carry(self, state: Any) -> dict:
         """The state's fields after optax's."""
-        return tuple(state)[len(optax.MultiStepsState._fields) :]
+        return dict(zip(state._fields[len(OPTAX_FIELDS) :], state[5:], strict=True))
 
     def check(self, state: Any, weight: Any, names: tuple) -> Any:
         """A step's `weight=` and the kind of its `state`, checked (`names`:
         the call's and its state argument's); the weight."""
-        who = names[0]
+        who, state_arg = names
         if weight is not NO_WEIGHT:
             raise TypeError(_MSG_UNWEIGHTED.format(who, describe_value(weight)))
-        if isinstance(state, WeightedMultiStepsState):
-            raise TypeError(_MSG_OTHER_KIND.format(who))
+        self._check_fields(state, names)
         return None
 
-    def begin(self, extra: tuple, weight: Any, mini_step: jax.Array) -> tuple:
-        """The running weight stored, and this mini-step's `Weights`."""
-        return None, None
+    def _check_fields(self, state: Any, names: tuple) -> None:
+        want = self.state_type._fields[len(OPTAX_FIELDS) :]
+        have = tuple(getattr(state, "_fields", ()))[len(OPTAX_FIELDS) :]
+        missing = [f for f in want if f not in have]
+        if missing:
+            got, ends = describe_value(state), ", ".join(want)
+            raise TypeError(_MSG_FIELDS.format(*names, missing[0], got, ends))
+        if have != want:
+            ends = want[-1] if want else "skip_state"
+            got = type(state).__name__
+            raise TypeError(_MSG_OTHER_KIND.format(names[0], got, list(have), ends))
 
-    def fold(self, acc: PyTree, grads: PyTree, step: Any, devices: Any) -> PyTree:
-        """`acc` with this mini-step's `grads` folded in (kept if skipped)."""
+    def begin(self, carry: dict, weight: Any, mini_step: jax.Array) -> Any:
+        """This mini-step's `Weights` (`None`: it counts as one)."""
+        return None
+
+    def fold(
+        self, acc: PyTree, carry: dict, inputs: Any, step: Any, devices: Any
+    ) -> tuple[PyTree, dict]:
+        """`acc` and the carry with this mini-step folded in (kept if skipped)."""
         fold = self.arithmetic.fold
 
         def one(g: jax.Array, a: jax.Array) -> jax.Array:
             new = fold(g, a, step.index, step.weights)
             return lax.select(step.should_skip, a, new)
 
-        return jax.tree.map(one, devices.add_axis(grads), acc)
+        acc = jax.tree.map(one, devices.add_axis(inputs.grads), acc)
+        for p in self.parts:
+            own = jax.tree.map(devices.mine, carry[p.field])
+            new = p.fold(own, inputs.grads, inputs.weight, step)
+            carry = {**carry, p.field: devices.add_axis(new)}
+        return acc, carry
 
     def ready(self, step: Any) -> jax.Array | None:
         """Whether this device's window holds something to apply."""
         return None
 
+    def reports(self, carry: dict) -> dict:
+        """The fields `finalize` writes (with the window's end, in its branch)."""
+        return {p.field: carry[p.field] for p in self.parts}
+
     def finalize(
-        self, acc: PyTree, step: Any, devices: Any, dtypes: PyTree
-    ) -> tuple[PyTree, jax.Array | None]:
-        """The window's gradients, in `dtypes`, over every device; and, per
-        device, whether they are to be applied (`None`: they are)."""
+        self, acc: PyTree, reports: dict, step: Any, devices: Any, dtypes: PyTree
+    ) -> tuple[PyTree, jax.Array | None, dict]:
+        """The window's gradients, in `dtypes`, over every device; per
+        device, whether they are to be applied (`None`: they are); and the
+        `reports` after the window."""
         total = None if step.weights is None else step.weights.total
         value, keep = devices.finish(acc, self.arithmetic, total)
-        return jax.tree.map(as_gradient_dtype, value, dtypes), keep
+        for p in self.parts:
+            own = jax.tree.map(devices.mine, reports[p.field])
+            new = p.finalize(own, value, self.arithmetic, devices)
+            reports = {**reports, p.field: devices.add_axis(new)}
+        return jax.tree.map(as_gradient_dtype, value, dtypes), keep, reports
 
-    def after(self, step: Any, devices: Any) -> tuple:
-        """`extra` after the mini-step `step`."""
-        return ()
+    def after(self, carry: dict, step: Any, devices: Any) -> dict:
+        """The carry after the mini-step `step`."""
+        return carry
 
     def as_optax(self, state: Any) -> Any:
         """`state` as `optax.MultiStepsState`, or an error if it cannot be."""
-        if self.weighted or isinstance(state, WeightedMultiStepsState):
+        if isinstance(state, WeightedMultiStepsState) or hasattr(state, "acc_weight"):
             raise TypeError(_MSG_AS_OPTAX)
-        return state
+        return optax.MultiStepsState(*state[:5])
 
 
 class Weighted(Plain):
     """`sum_i w_i g_i / sum_i w_i` (or the sum `sum_i w_i g_i`), in a
-    `WeightedMultiStepsState`: `extra` is the running weight `acc_weight`."""
+    `WeightedMultiStepsState`: the carry holds the running weight `acc_weight`."""
 
-    State = WeightedMultiStepsState
+    fields = ("acc_weight",)
     weighted = may_be_empty = True
 
-    def init(self, acc_grads: PyTree, devices: Any) -> tuple:
-        return (devices.add_axis(jnp.zeros((), weight_dtype(acc_grads))),)
+    def init(self, acc_grads: PyTree, devices: Any) -> dict:
+        acc_weight = devices.add_axis(jnp.zeros((), weight_dtype(acc_grads)))
+        return {"acc_weight": acc_weight, **super().init(acc_grads, devices)}
 
     def check(self, state: Any, weight: Any, names: tuple) -> Any:
         who, state_arg = names
@@ -176,9 +223,7 @@ class Weighted(Plain):
             known = None  # traced: not checked
         if known is not None and not (known >= 0 and np.isfinite(known)):
             raise ValueError(_MSG_WEIGHT_VALUE.format(who, known))
-        if not hasattr(state, "acc_weight"):
-            got = type(state).__name__
-            raise TypeError(_MSG_NO_ACC_WEIGHT.format(weighted_who, state_arg, got))
+        self._check_fields(state, (weighted_who, state_arg))
         value = state.acc_weight
         dtype = getattr(value, "dtype", None)
         floating = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
@@ -194,23 +239,23 @@ class Weighted(Plain):
             raise ValueError(_MSG_WEIGHT_HELD.format(*held))
         return weight
 
-    def begin(self, extra: tuple, weight: Any, mini_step: jax.Array) -> tuple:
-        """The state's running weight as it came in, and how `weight` folds
-        in after it; a window's first mini-step starts from 0."""
-        (acc_weight,) = extra
-        stored = acc_weight if jnp.ndim(acc_weight) == 0 else acc_weight[0]
+    def begin(self, carry: dict, weight: Any, mini_step: jax.Array) -> Any:
+        """How `weight` folds in after the state's running weight; a
+        window's first mini-step starts from 0."""
+        stored = jnp.reshape(carry["acc_weight"], ())
         dtype = stored.dtype
         if not isinstance(weight, jax.Array):  # a Python or NumPy number: in
             # float directly (JAX would make an int64 an int32 first, wrapping it)
             weight = np.asarray(weight).astype(dtype)
         w = lax.convert_element_type(weight, dtype)
         before = jnp.where(mini_step == 0, jnp.zeros((), dtype), stored)
-        return stored, self.arithmetic.weigh(before, w)
+        return self.arithmetic.weigh(before, w)
 
     def ready(self, step: Any) -> jax.Array | None:
         return step.weights.total > 0
 
-    def after(self, step: Any, devices: Any) -> tuple:
-        running = jnp.where(step.should_skip, step.stored, step.weights.total)
+    def after(self, carry: dict, step: Any, devices: Any) -> dict:
+        stored = jnp.reshape(step.carry["acc_weight"], ())
+        running = jnp.where(step.should_skip, stored, step.weights.total)
         acc_weight = jnp.where(step.window_end, jnp.zeros_like(running), running)
-        return (devices.add_axis(acc_weight),)
+        return {**carry, "acc_weight": devices.add_axis(acc_weight)}

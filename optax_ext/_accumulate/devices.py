@@ -67,6 +67,10 @@ class SingleDeviceState:
     def agree(self, should_skip: jax.Array) -> jax.Array:
         return should_skip
 
+    def mine(self, x: jax.Array) -> jax.Array:
+        """This device's own of a state leaf with the axis."""
+        return x
+
     def finish(
         self, acc: PyTree, accumulator: Accumulator, weight: jax.Array | None
     ) -> tuple[PyTree, jax.Array | None]:
@@ -148,6 +152,9 @@ class PerDeviceState(SingleDeviceState):
         """Every device takes the same skip decision."""
         votes = lax.psum(should_skip.astype(jnp.int32), self.axis_name)
         return votes > 0
+
+    def mine(self, x: jax.Array) -> jax.Array:
+        return x[0]
 
     def finish(
         self, acc: PyTree, accumulator: Accumulator, weight: jax.Array | None

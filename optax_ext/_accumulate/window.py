@@ -4,6 +4,7 @@ accumulation in the step's `Form` (`update_if`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -54,8 +55,9 @@ class MiniStep(NamedTuple):
     window_end: jax.Array
     should_skip: jax.Array
     index: jax.Array  # the state's `mini_step`
+    gradient_step: jax.Array  # the state's
     weights: Weights | None  # from the kind's `begin`
-    stored: Any  # the kind's running scalars as the state held them
+    carry: dict  # the kind's state fields after optax's, as the state held them
 
 
 def _arrays_at(tree: PyTree, like: PyTree) -> PyTree:
@@ -65,52 +67,59 @@ def _arrays_at(tree: PyTree, like: PyTree) -> PyTree:
     )
 
 
-def _kept(keep: jax.Array | None, new: tuple, old: tuple) -> tuple:
-    """`new` (result, state) as it is where `keep` is `None`; else each
-    leaf selected from `new` or `old` by `keep`, the state paired with it."""
-    if keep is None:
-        return new
-    result, state = jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, old)
-    return result, (state, keep)
-
-
 class _Inner:
     """The inner optimizer on the window's accumulation, as `update_if`
-    calls it; where a window may hold nothing and the devices decide it,
-    the state travels with whether it held something (`wrap`, `unwrap`)."""
+    calls it. Its state travels with the kind's `reports` and, where a
+    window may hold nothing and the devices decide it, with whether it
+    held something (`wrap`, `unwrap`)."""
 
     def __init__(self, window: Window, inputs: StepInputs, step: MiniStep):
         self.window, self.inputs, self.step = window, inputs, step
         self.decides = window.accumulation.may_be_empty and window.devices.per_device
         self.dtypes = jax.tree.map(lambda g: jnp.result_type(g), inputs.grads)
 
-    def wrap(self, state: PyTree) -> PyTree:
-        return (state, jnp.zeros((), jnp.bool_)) if self.decides else state
+    def wrap(self, state: PyTree, reports: dict) -> tuple:
+        return state, jnp.zeros((), jnp.bool_) if self.decides else (), reports
 
-    def unwrap(self, state: PyTree, ran: jax.Array) -> tuple[PyTree, jax.Array]:
-        return state if self.decides else (state, ran)
+    def unwrap(self, wrapped: tuple, ran: jax.Array) -> tuple:
+        state, flag, reports = wrapped
+        return state, flag if self.decides else ran, reports
 
-    def _gradients(self, acc: PyTree, state: PyTree) -> tuple[PyTree, Any, Any]:
-        w = self.window
-        grads, keep = w.accumulation.finalize(acc, self.step, w.devices, self.dtypes)
-        return grads, keep, state[0] if self.decides else state
-
-    def update(self, acc: PyTree, state: PyTree) -> tuple[PyTree, PyTree]:
-        grads, keep, state = self._gradients(acc, state)
-        inputs = self.inputs
-        out, new = self.window.inner.update(
-            grads, state, inputs.params, **inputs.extra_args
+    def _run(self, acc: PyTree, wrapped: tuple, inner: Callable, old: Callable):
+        """`inner(grads, state)` on the window's gradients; where the devices
+        decide, each output selected from `old(out)` where it held nothing."""
+        w, (state, _, reports) = self.window, wrapped
+        args = (acc, reports, self.step, w.devices, self.dtypes)
+        grads, keep, new_reports = w.accumulation.finalize(*args)
+        out, new = inner(grads, state)
+        if keep is None:
+            return out, (new, (), new_reports)
+        new, old = (out, new, new_reports), (old(out), state, reports)
+        out, new, new_reports = jax.tree.map(
+            lambda n, o: jnp.where(keep, n, o), new, old
         )
-        return _kept(keep, (out, new), (jax.tree.map(jnp.zeros_like, out), state))
+        return out, (new, keep, new_reports)
 
-    def apply(self, acc: PyTree, state: PyTree, arrays: PyTree) -> tuple[PyTree, Any]:
-        grads, keep, state = self._gradients(acc, state)
+    def update(self, acc: PyTree, wrapped: tuple) -> tuple[PyTree, PyTree]:
+        inputs, inner = self.inputs, self.window.inner
+
+        def run(grads: PyTree, state: PyTree) -> tuple:
+            return inner.update(grads, state, inputs.params, **inputs.extra_args)
+
+        zeros = lambda out: jax.tree.map(jnp.zeros_like, out)  # noqa: E731
+        return self._run(acc, wrapped, run, zeros)
+
+    def apply(self, acc: PyTree, wrapped: tuple, arrays: PyTree) -> tuple:
         inputs = self.inputs
         params = merge_trainable(inputs.params, arrays)
-        new_params, new = step_and_apply(
-            self.window.fusable_inner, grads, state, params, **inputs.extra_args
-        )
-        return _kept(keep, (_arrays_at(new_params, arrays), new), (arrays, state))
+
+        def run(grads: PyTree, state: PyTree) -> tuple:
+            new_params, new = step_and_apply(
+                self.window.fusable_inner, grads, state, params, **inputs.extra_args
+            )
+            return _arrays_at(new_params, arrays), new
+
+        return self._run(acc, wrapped, run, lambda out: arrays)
 
 
 def run_window(
@@ -121,19 +130,21 @@ def run_window(
     inputs: StepInputs,
     acc: PyTree,
     inner_state: PyTree,
-) -> tuple[PyTree, PyTree, PyTree, jax.Array]:
+) -> tuple[PyTree, PyTree, PyTree, dict, jax.Array]:
     """One mini-step. Returns the updates (`fused`: the new params), the
-    inner state, the new accumulator and whether the inner optimizer ran."""
-    acc = window.accumulation.fold(acc, inputs.grads, step, window.devices)
+    inner state, the new accumulator and carry, and whether the inner
+    optimizer ran."""
+    kind = window.accumulation
+    acc, carry = kind.fold(acc, step.carry, inputs, step, window.devices)
     inner = _Inner(window, inputs, step)
     pred = step.window_end
-    ready = window.accumulation.ready(step)
+    ready = kind.ready(step)
     if ready is not None and not inner.decides:
         pred = jnp.logical_and(pred, ready)
     params = inputs.params
     # Only the params' arrays go through the conditional.
     arrays = _arrays_at(params, params) if fused else None
-    state_in = inner.wrap(inner_state)
+    state_in = inner.wrap(inner_state, kind.reports(carry))
     if form is Form.FOLD:
         out = arrays if fused else jax.tree.map(jnp.zeros_like, params)
         state_out, ran = state_in, pred
@@ -148,5 +159,5 @@ def run_window(
         ran = count == 1
     if fused:
         out = merge_trainable(params, out)
-    inner_state, emitted = inner.unwrap(state_out, ran)
-    return out, inner_state, acc, emitted
+    inner_state, emitted, reports = inner.unwrap(state_out, ran)
+    return out, inner_state, acc, {**carry, **reports}, emitted
