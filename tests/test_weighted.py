@@ -359,7 +359,8 @@ def test_state_of_the_other_kind_is_refused():
     weighted, plain = _opt(True), _opt(False)
     with pytest.raises(TypeError, match="has no acc_weight"):
         weighted.update(params, plain.init(params), params, weight=1)
-    with pytest.raises(TypeError, match=r"got a WeightedMultiStepsState with the fields \[.acc_weight.\]"):
+    other = r"got a WeightedMultiStepsState with the fields \[.acc_weight.\]"
+    with pytest.raises(TypeError, match=other):
         plain.update(params, weighted.init(params), params)
     # The fused step names the function called and its argument.
     with pytest.raises(
