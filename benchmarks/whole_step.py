@@ -93,7 +93,12 @@ DECODER_CASES = [
     (DECODER, "float32", "clip+adamw", jnp.float32),
     (DECODER, "bfloat16", "adamw", jnp.float32),
 ]
-CASE_SETS = {"default": CASES, "decoder": DECODER_CASES}
+# bfloat16 params with a bfloat16 accumulator rounded stochastically.
+STOCHASTIC_CASES = [
+    (MLP, "bfloat16", "adamw", "stochastic"),
+    (DECODER, "bfloat16", "adamw", "stochastic"),
+]
+CASE_SETS = {"default": CASES, "decoder": DECODER_CASES, "stochastic": STOCHASTIC_CASES}
 MODEL_NAMES = {"mlp": MLP, "decoder": DECODER, "gpt2-small": GPT2_SMALL}
 
 
@@ -145,6 +150,10 @@ def compiled_step(backend, model, dtype, inner, accumulator, form):
         return ts.compile_train_step(backend, step, params, (), batch, []), params
     tx = ts.INNER[inner][0]()
     opt = {"bare": tx, "optax": optax.MultiSteps(tx, ts.K)}.get(form)
+    if accumulator == "stochastic":
+        opt = opt or optax_ext.MultiSteps(
+            tx, ts.K, accumulator_dtype=jnp.bfloat16, stochastic_rounding=True
+        )
     opt = opt or optax_ext.MultiSteps(tx, ts.K, accumulator_dtype=accumulator)
     state = jax.eval_shape(opt.init, params)
     step = ts.train_step(opt, form, loss, [])
@@ -533,6 +542,8 @@ def main():
             ]
             if acc is None:
                 inner += ", accumulator_dtype=None"
+            if acc == "stochastic":
+                inner += ", bfloat16 accumulator, stochastic_rounding=True"
             row = f"| {name} | {model} | {dtype} | {inner} | " + " | ".join(cells)
             lines.append(row + " |")
             print(lines[-1], flush=True)

@@ -25,6 +25,7 @@ from ._multi_steps_checks import (
     check_k,
     check_skip_fn,
     check_state,
+    check_stochastic_rounding,
     prepare_step,
     skip_decision,
     validate_every_k,
@@ -112,6 +113,9 @@ class MultiSteps(Configured):
       gradient); a window of weight 0 applies nothing and is not counted in
       `gradient_step`. The state is a `WeightedMultiStepsState`
       (`docs/multi_steps.md`, "Uneven micro-batches").
+    - `stochastic_rounding`: with `accumulator_dtype=jnp.bfloat16`, a
+      bfloat16 accumulator for any float gradients of 32 bits or fewer,
+      each fold rounded up or down without bias (`docs/multi_steps.md`).
 
     Two `MultiSteps` built from equal arguments compare and hash equal, so a
     jitted step taking the optimizer as a static argument compiles once.
@@ -137,16 +141,20 @@ class MultiSteps(Configured):
         accumulator_dtype: Any = jnp.float32,
         axis_name: Hashable | None = None,
         weighted: bool = False,
+        *,
+        stochastic_rounding: bool = False,
     ):
         check_transformation(opt, "opt")
         mean = "use_grad_mean must be True (the gradients averaged) or False (summed)"
         use_grad_mean = check_bool(use_grad_mean, mean)
         weighted = check_bool(weighted, "weighted must be True or False")
         accumulator_dtype = check_accumulator_dtype(accumulator_dtype, complex_ok=True)
+        stochastic = check_stochastic_rounding(stochastic_rounding, accumulator_dtype)
         on = Mechanisms()  # last in the key: `xla.configured` changes it
         given = (every_k_schedule, use_grad_mean, should_skip_update_fn)
-        self._key = config_key(opt, *given, accumulator_dtype, axis_name, weighted, on)
-        kind = (Weighted if weighted else Plain)(use_grad_mean)
+        options = (accumulator_dtype, axis_name, weighted, stochastic)
+        self._key = config_key(opt, *given, *options, on)
+        kind = (Weighted if weighted else Plain)(use_grad_mean, (), stochastic)
         self._window = Window(
             inner=with_extra_args(opt),
             # As given too: `apply_gradients` fuses through a nested
@@ -176,7 +184,8 @@ class MultiSteps(Configured):
         params = accumulated(params)
         self._devices.check_bound("init")
         w, zero = self._window, lambda: jnp.zeros((), jnp.int32)
-        acc_grads = zero_accumulator(params, w.accumulator_dtype)
+        stochastic = w.accumulation.stochastic
+        acc_grads = zero_accumulator(params, w.accumulator_dtype, stochastic)
         inner_state = w.inner.init(params)
         traced_state_record(w.inner.init, params, w.inner_structures, is_params=True)
         zeros = jax.tree.map(jnp.zeros_like, params)

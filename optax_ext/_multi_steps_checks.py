@@ -12,7 +12,12 @@ import optax
 from jaxtyping import PyTree
 
 from ._accumulate.accumulations import NO_WEIGHT, UNREAD
-from ._accumulate.arithmetic import PROMOTION_ERROR, holds, least_holding
+from ._accumulate.arithmetic import (
+    PROMOTION_ERROR,
+    holds,
+    least_holding,
+    rounds_stochastically,
+)
 from ._accumulate.window import StepInputs, Window
 from ._leaves import accumulated, zeros_where_undifferentiated
 from ._records import check_state_structure
@@ -103,7 +108,7 @@ def prepare_step(
         params = accumulated(params)
         _check_params(params, acc)
     given, grads = grads, zeros_where_undifferentiated(grads, params)
-    _check_gradients(grads, acc, config.accumulator_dtype)
+    _check_gradients(grads, acc, config.accumulator_dtype, config.accumulation)
     who, state_arg = _caller(method)
     record = check_state_structure(
         config.inner.init,
@@ -156,6 +161,18 @@ def check_bool(value: Any, must: str) -> bool:
     if not isinstance(value, bool | np.bool_):
         raise TypeError(f"{must}, got {describe_value(value)}.")
     return bool(value)
+
+
+def check_stochastic_rounding(value: Any, accumulator_dtype: Any) -> bool:
+    """`stochastic_rounding` as a bool, with a bfloat16 `accumulator_dtype`."""
+    stochastic = check_bool(value, "stochastic_rounding must be True or False")
+    if stochastic and accumulator_dtype != jnp.bfloat16:
+        raise ValueError(
+            "stochastic_rounding=True rounds the accumulator to bfloat16 without "
+            "bias; it needs accumulator_dtype=jnp.bfloat16, got "
+            f"accumulator_dtype={accumulator_dtype}."
+        )
+    return stochastic
 
 
 def validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
@@ -251,7 +268,7 @@ def _check_params(params: PyTree, acc: PyTree) -> None:
     check_same_shapes(acc, params, **names, hint=_HINT_PARAMS)
 
 
-def _check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None:
+def _check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any, kind) -> None:
     """Raises where the gradients do not fit the accumulator."""
     check_same_structure(acc, grads, expected_name=_ACC, got_name="the updates")
     check_same_shapes(
@@ -271,6 +288,6 @@ def _check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any) -> None
             held = jnp.result_type(g, a.dtype) == a.dtype
         except PROMOTION_ERROR:
             held = holds(a.dtype, g_dtype)
-        if not held:
+        if not (held or kind.stochastic and rounds_stochastically(g_dtype)):
             message = _rounding_message(where, g_dtype, a.dtype, accumulator_dtype)
             raise TypeError(message)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 from typing import Any, NamedTuple
 
 import jax
@@ -19,7 +20,7 @@ from jaxtyping import PyTree
 
 from .._tree import describe_value
 from .accumulator import Accumulator, as_gradient_dtype, weight_dtype
-from .arithmetic import is_real_scalar
+from .arithmetic import is_real_scalar, seed
 
 NO_WEIGHT = object()
 UNREAD = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
@@ -100,15 +101,16 @@ def state_type(fields: tuple[str, ...]) -> Any:
 
 class Plain:
     """The window's running mean (`mean=True`) or sum of its gradients, in
-    `optax.MultiStepsState` (with each part's field after optax's)."""
+    `optax.MultiStepsState` (with each part's field after optax's); with
+    `stochastic`, each fold rounds to the bfloat16 accumulator without bias."""
 
     fields: tuple[str, ...] = ()  # its own, before its parts'
     weighted = False  # whether a mini-step has a `weight=`
     may_be_empty = False  # whether a window may hold nothing to apply
 
-    def __init__(self, mean: bool, parts: tuple = ()):
+    def __init__(self, mean: bool, parts: tuple = (), stochastic: bool = False):
         self.arithmetic = Accumulator(mean, self.weighted)
-        self.parts = parts
+        self.parts, self.stochastic = parts, stochastic
         self.state_type = state_type(self.fields + tuple(p.field for p in parts))
 
     def init(self, acc_grads: PyTree, devices: Any) -> dict:
@@ -153,10 +155,12 @@ class Plain:
         self, acc: PyTree, carry: dict, inputs: Any, step: Any, devices: Any
     ) -> tuple[PyTree, dict]:
         """`acc` and the carry with this mini-step folded in (kept if skipped)."""
-        fold = self.arithmetic.fold
+        leaf, fold = itertools.count(), self.arithmetic.fold
 
         def one(g: jax.Array, a: jax.Array) -> jax.Array:
-            new = fold(g, a, step.index, step.weights)
+            at = (step.gradient_step, step.index, devices.index(), next(leaf))
+            key = seed(*at) if self.stochastic else None
+            new = fold(g, a, step.index, step.weights, key)
             return lax.select(step.should_skip, a, new)
 
         acc = jax.tree.map(one, devices.add_axis(inputs.grads), acc)
@@ -181,7 +185,7 @@ class Plain:
         device, whether they are to be applied (`None`: they are); and the
         `reports` after the window."""
         total = None if step.weights is None else step.weights.total
-        value, keep = devices.finish(acc, self.arithmetic, total)
+        value, keep = devices.finish(acc, self.arithmetic, total, dtypes)
         for p in self.parts:
             own = jax.tree.map(devices.mine, reports[p.field])
             new = p.finalize(own, value, self.arithmetic, devices)

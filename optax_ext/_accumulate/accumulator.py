@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .arithmetic import widen, work_dtype
+from .arithmetic import round_stochastically, widen, work_dtype
 
 
 class Weights(NamedTuple):
@@ -42,12 +42,18 @@ class Accumulator:
         return Weights(total, before == 0, nothing, scale)
 
     def fold(
-        self, x: jax.Array, acc: jax.Array, index: jax.Array, weights: Weights | None
+        self,
+        x: jax.Array,
+        acc: jax.Array,
+        index: jax.Array,
+        weights: Weights | None,
+        key: jax.Array | None = None,
     ) -> jax.Array:
-        """`acc` with `x` folded in as the `index`-th value (from 0)."""
+        """`acc` with `x` folded in as the `index`-th value (from 0), rounded
+        to nearest, or stochastically with the bits of `key`."""
         if weights is None:
-            return fold(x, acc, index, self.mean)
-        return _fold_weighted(x, acc, weights, self.mean)
+            return fold(x, acc, index, self.mean, key=key)
+        return _fold_weighted(x, acc, weights, self.mean, key)
 
     def part(self, acc: jax.Array, weight: jax.Array | None) -> jax.Array:
         """This device's share of the all-reduce, in at least float32."""
@@ -140,6 +146,7 @@ def fold(
     mean: bool,
     *,
     may_be_first: bool = True,
+    key: jax.Array | None = None,
 ) -> jax.Array:
     """`acc` with `g` folded in as the `index`-th value (from 0): Welford's
     running mean `acc + (g - acc) / (index + 1)`, or the sum."""
@@ -154,10 +161,20 @@ def fold(
         running = lax.add(old, g)
     if may_be_first:
         running = lax.select(index == 0, g, running)
-    return lax.convert_element_type(running, acc.dtype)
+    return _narrowed(running, acc.dtype, key)
 
 
-def _fold_weighted(g: jax.Array, acc: jax.Array, w: Weights, mean: bool) -> jax.Array:
+def _narrowed(x: jax.Array, dtype: Any, key: jax.Array | None) -> jax.Array:
+    """`x` in the accumulator's `dtype`: rounded to nearest, or with `key`
+    stochastically (to bfloat16)."""
+    if key is None:
+        return lax.convert_element_type(x, dtype)
+    return round_stochastically(x, key)
+
+
+def _fold_weighted(
+    g: jax.Array, acc: jax.Array, w: Weights, mean: bool, key: jax.Array | None
+) -> jax.Array:
     """`acc + (g - acc) / (W / w)` (the mean) or `acc + w g` (the sum)."""
     work = work_dtype(acc.dtype)
     g = widen(jnp.asarray(g), work)
@@ -168,7 +185,7 @@ def _fold_weighted(g: jax.Array, acc: jax.Array, w: Weights, mean: bool) -> jax.
     else:
         value = lax.mul(g, scale)
         running = lax.add(old, value)
-    new = lax.convert_element_type(lax.select(w.first, value, running), acc.dtype)
+    new = _narrowed(lax.select(w.first, value, running), acc.dtype, key)
     return lax.select(w.nothing, acc, new)
 
 

@@ -103,14 +103,24 @@ def accumulator_dtype_for(
     return wide
 
 
-def zero_accumulator(params: PyTree, accumulator_dtype: Any) -> PyTree:
-    """Zeros for each params leaf, in its accumulator's dtype (`MultiSteps`)."""
+def zero_accumulator(
+    params: PyTree, accumulator_dtype: Any, stochastic: bool = False
+) -> PyTree:
+    """Zeros for each params leaf, in its accumulator's dtype (`MultiSteps`);
+    `stochastic`: bfloat16 for every leaf, which a float64 or complex refuses."""
     names = ("MultiSteps", "the params")
 
     def zeros(path: Any, p: Any) -> jax.Array:
         shape, where = jnp.shape(p), jax.tree_util.keystr(path)
         dtype = accumulator_dtype_for(p, accumulator_dtype, where, *names)
-        return jnp.zeros(shape, dtype)
+        if stochastic and not rounds_stochastically(jnp.result_type(p)):
+            raise TypeError(
+                "MultiSteps(stochastic_rounding=True) rounds float32 to "
+                f"bfloat16, but the params at {where or 'the root'} have dtype "
+                f"{jnp.result_type(p)}. Leave stochastic_rounding out for "
+                "float64 and complex params."
+            )
+        return jnp.zeros(shape, jnp.bfloat16 if stochastic else dtype)
 
     return jax.tree_util.tree_map_with_path(zeros, params)
 
@@ -144,3 +154,49 @@ def is_real_scalar(value: Any) -> bool:
         dtype = jnp.result_type(value)
     real = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
     return real and dtype != jnp.bool_ and jnp.shape(value) == ()
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """A bijection of uint32 whose every output bit depends on every input
+    bit (Wellons' "lowbias32" constants)."""
+    for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        x = lax.mul(
+            lax.bitwise_xor(x, lax.shift_right_logical(x, _u32(shift))), _u32(factor)
+        )
+    return lax.bitwise_xor(x, lax.shift_right_logical(x, _u32(16)))
+
+
+def _u32(value: Any) -> jax.Array:
+    return lax.convert_element_type(value, jnp.uint32)
+
+
+def seed(*words: Any) -> jax.Array:
+    """One uint32 scalar from integer scalars, each changing it all."""
+    h = _u32(0x9E3779B9)
+    for w in words:
+        h = _mix(lax.add(h, _u32(w)))
+    return h
+
+
+def round_stochastically(x: jax.Array, key: jax.Array) -> jax.Array:
+    """`x` (float32) in bfloat16, rounded up with probability the fraction
+    of a bfloat16 ulp it lies above the one below (so without bias); the
+    bits come from a hash of `key` and each element's index."""
+    index = _u32(0)
+    for d in range(x.ndim):
+        index = lax.add(
+            lax.mul(index, _u32(x.shape[d])),
+            lax.broadcasted_iota(jnp.uint32, x.shape, d),
+        )
+    noise = lax.shift_right_logical(_mix(_mix(lax.add(index, key))), _u32(16))
+    bits = lax.add(lax.bitcast_convert_type(x, jnp.uint32), noise)
+    up = lax.bitcast_convert_type(lax.bitwise_and(bits, _u32(0xFFFF0000)), jnp.float32)
+    return lax.convert_element_type(lax.select(lax.ne(x, x), x, up), jnp.bfloat16)
+
+
+def rounds_stochastically(dtype: Any) -> bool:
+    """Whether values of `dtype` round stochastically to bfloat16: integers
+    and floats of 32 bits or fewer (through float32, exactly)."""
+    if jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_:
+        return True
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits <= 32

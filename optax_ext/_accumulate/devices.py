@@ -16,6 +16,7 @@ from .._leaves import is_none
 from .._sharding import axis_names, summed_axes, varying_axes, varying_call
 from .._tree import describe_value
 from .accumulator import Accumulator, reduce_across
+from .arithmetic import holds
 
 
 def _varying_axes_of(grads: PyTree, acc: PyTree) -> Iterator[tuple]:
@@ -67,15 +68,19 @@ class SingleDeviceState:
     def agree(self, should_skip: jax.Array) -> jax.Array:
         return should_skip
 
+    def index(self) -> jax.Array:
+        """This device's index along the axis."""
+        return jnp.zeros((), jnp.int32)
+
     def mine(self, x: jax.Array) -> jax.Array:
         """This device's own of a state leaf with the axis."""
         return x
 
     def finish(
-        self, acc: PyTree, accumulator: Accumulator, weight: jax.Array | None
+        self, acc: PyTree, accumulator: Accumulator, weight: Any, dtypes: PyTree
     ) -> tuple[PyTree, jax.Array | None]:
         """The window's accumulation, and whether its weights sum above 0."""
-        del accumulator, weight
+        del accumulator, weight, dtypes
         return acc, None
 
 
@@ -153,18 +158,26 @@ class PerDeviceState(SingleDeviceState):
         votes = lax.psum(should_skip.astype(jnp.int32), self.axis_name)
         return votes > 0
 
+    def index(self) -> jax.Array:
+        return lax.axis_index(self.axis_name)
+
     def mine(self, x: jax.Array) -> jax.Array:
         return x[0]
 
     def finish(
-        self, acc: PyTree, accumulator: Accumulator, weight: jax.Array | None
+        self, acc: PyTree, accumulator: Accumulator, weight: Any, dtypes: PyTree
     ) -> tuple[PyTree, jax.Array | None]:
-        """Every device's accumulators and weights meet in one all-reduce."""
+        """Every device's accumulators and weights meet in one all-reduce,
+        in the accumulator's dtype (the gradients' where it is narrower)."""
         leaves, treedef = jax.tree.flatten(acc)
         kinds = [accumulator] * len(leaves)
         mine = [a[0] for a in leaves]
         values, total = reduce_across(kinds, mine, weight, self.axis_name)
-        values = [v.astype(a.dtype) for v, a in zip(values, leaves, strict=True)]
+        wide = [
+            a.dtype if holds(a.dtype, d) else d
+            for a, d in zip(leaves, jax.tree.leaves(dtypes), strict=True)
+        ]
+        values = [v.astype(d) for v, d in zip(values, wide, strict=True)]
         keep = None if total is None else total > 0
         return jax.tree.unflatten(treedef, values), keep
 
