@@ -13,7 +13,13 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, PyTree
 
-from ._accumulate.accumulations import Plain, State, Weighted
+from ._accumulate.accumulations import (
+    OPTAX_FIELDS,
+    NoiseScale,
+    Plain,
+    State,
+    Weighted,
+)
 from ._accumulate.arithmetic import check_accumulator_dtype, zero_accumulator
 from ._accumulate.branch import choose_form
 from ._accumulate.devices import device_state
@@ -65,7 +71,7 @@ def _as_optax_holds_it(state: Any) -> Any:
     acc = jax.tree.map(
         lambda a: jnp.where(start, jnp.zeros_like(a), a), state.acc_grads
     )
-    nested = lambda s: isinstance(s, optax.MultiStepsState)  # noqa: E731
+    nested = lambda s: getattr(s, "_fields", ())[:5] == OPTAX_FIELDS  # noqa: E731
     inner = jax.tree.map(
         lambda s: _as_optax_holds_it(s) if nested(s) else s,
         state.inner_opt_state,
@@ -116,6 +122,10 @@ class MultiSteps(Configured):
     - `stochastic_rounding`: with `accumulator_dtype=jnp.bfloat16`, a
       bfloat16 accumulator for any float gradients of 32 bits or fewer,
       each fold rounded up or down without bias (`docs/multi_steps.md`).
+    - `noise_scale`: if `True`, each window also estimates the gradient
+      noise scale from its micro-batch gradients (five scalars of state, in
+      the field `noise_scale`); read it with
+      `optax_ext.gradient_noise_scale(state)` (`docs/multi_steps.md`).
 
     Two `MultiSteps` built from equal arguments compare and hash equal, so a
     jitted step taking the optimizer as a static argument compiles once.
@@ -143,6 +153,7 @@ class MultiSteps(Configured):
         weighted: bool = False,
         *,
         stochastic_rounding: bool = False,
+        noise_scale: bool = False,
     ):
         check_transformation(opt, "opt")
         mean = "use_grad_mean must be True (the gradients averaged) or False (summed)"
@@ -150,11 +161,13 @@ class MultiSteps(Configured):
         weighted = check_bool(weighted, "weighted must be True or False")
         accumulator_dtype = check_accumulator_dtype(accumulator_dtype, complex_ok=True)
         stochastic = check_stochastic_rounding(stochastic_rounding, accumulator_dtype)
+        noise = check_bool(noise_scale, "noise_scale must be True or False")
         on = Mechanisms()  # last in the key: `xla.configured` changes it
         given = (every_k_schedule, use_grad_mean, should_skip_update_fn)
-        options = (accumulator_dtype, axis_name, weighted, stochastic)
+        options = (accumulator_dtype, axis_name, weighted, stochastic, noise)
         self._key = config_key(opt, *given, *options, on)
-        kind = (Weighted if weighted else Plain)(use_grad_mean, (), stochastic)
+        parts = (NoiseScale(),) if noise else ()
+        kind = (Weighted if weighted else Plain)(use_grad_mean, parts, stochastic)
         self._window = Window(
             inner=with_extra_args(opt),
             # As given too: `apply_gradients` fuses through a nested

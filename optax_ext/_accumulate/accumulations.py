@@ -20,7 +20,7 @@ from jaxtyping import PyTree
 
 from .._tree import describe_value
 from .accumulator import Accumulator, as_gradient_dtype, weight_dtype
-from .arithmetic import is_real_scalar, seed
+from .arithmetic import is_real_scalar, seed, work_dtype
 
 NO_WEIGHT = object()
 UNREAD = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
@@ -64,6 +64,11 @@ _MSG_AS_OPTAX = (
     "MultiSteps.optax_state got a weighted state: optax.MultiSteps has no weighted "
     "form and would drop its acc_weight (the window's running weight) silently. A "
     "weighted state goes on only in optax_ext.MultiSteps(..., weighted=True)."
+)
+_MSG_NOT_NOISE = (
+    "optax_ext.gradient_noise_scale needs the state of a "
+    "MultiSteps(..., noise_scale=True), got {}. Build the MultiSteps with "
+    "noise_scale=True and pass its whole state (not its inner_opt_state)."
 )
 
 
@@ -263,3 +268,81 @@ class Weighted(Plain):
         running = jnp.where(step.should_skip, stored, step.weights.total)
         acc_weight = jnp.where(step.window_end, jnp.zeros_like(running), running)
         return {**carry, "acc_weight": devices.add_axis(acc_weight)}
+
+
+class NoiseScaleState(NamedTuple):
+    """`MultiSteps(..., noise_scale=True)`'s scalars (float32; with
+    `axis_name`, this device's own): the window's sums so far, and the
+    estimates from the last completed window (`gradient_noise_scale`)."""
+
+    sum_squares: jax.Array  # sum_i w_i |g_i|^2
+    weight: jax.Array  # sum_i w_i (each w_i 1 unweighted)
+    count: jax.Array  # the micro-batches folded in (of weight > 0)
+    squared_norm: jax.Array  # |G|^2, unbiased (NaN before a window of 2)
+    trace: jax.Array  # tr(Sigma) of one micro-batch (of a unit of weight)
+
+
+def _squares(tree: PyTree) -> jax.Array:
+    """`sum |x|^2` over `tree`'s leaves, in float32 (or wider)."""
+    wide = [jnp.abs(x.astype(work_dtype(x.dtype))) for x in jax.tree.leaves(tree)]
+    return sum((jnp.sum(jnp.square(x)) for x in wide), jnp.zeros((), jnp.float32))
+
+
+class NoiseScale:
+    """The gradient noise scale's estimates from each window (McCandlish et
+    al. 2018, appendix A). With `n` micro-batch gradients `g_i` of weights
+    `w_i` (1 each unweighted; over every device), `W = sum w_i`, `S = sum
+    w_i |g_i|^2` and the window's mean `G_W`: `E S = W |G|^2 + n tr(Sigma)`
+    and `E W |G_W|^2 = W |G|^2 + tr(Sigma)`, solved for both."""
+
+    field = "noise_scale"
+
+    def init(self) -> NoiseScaleState:
+        zero, nan = jnp.zeros((), jnp.float32), jnp.full((), jnp.nan, jnp.float32)
+        return NoiseScaleState(zero, zero, zero, nan, nan)
+
+    def fold(self, c: NoiseScaleState, grads: PyTree, weight: Any, step: Any) -> Any:
+        w = jnp.ones((), jnp.float32) if weight is None else jnp.float32(weight)
+        counts = jnp.logical_and(jnp.logical_not(step.should_skip), w > 0)
+        terms = (w * _squares(grads), w, jnp.ones((), jnp.float32))
+        sums = []
+        for old, term in zip(c[:3], terms, strict=True):
+            base = jnp.where(step.index == 0, jnp.zeros_like(old), old)
+            sums.append(jnp.where(counts, base + term, base))
+        return NoiseScaleState(*sums, c.squared_norm, c.trace)
+
+    def finalize(self, c: Any, value: PyTree, arithmetic: Any, devices: Any) -> Any:
+        (s, w, n), size = devices.total(tuple(c[:3]))
+        mean = value
+        if not arithmetic.mean:  # the window's mean from its sum
+            by = w if arithmetic.weighted else n / size
+            mean = jax.tree.map(lambda v: v / by, value)
+        g2 = _squares(mean)
+        trace = (s - w * g2) / (n - 1)
+        nan = jnp.full((), jnp.nan, jnp.float32)
+        norm, trace = (jnp.where(n > 1, e, nan) for e in (g2 - trace / w, trace))
+        return c._replace(squared_norm=norm, trace=trace)
+
+
+def gradient_noise_scale(state: Any) -> tuple[jax.Array, jax.Array]:
+    """The gradient noise scale's two estimates from the last completed
+    window of a `MultiSteps(..., noise_scale=True)`'s `state`.
+
+    **Arguments:**
+
+    - `state`: its state (with `axis_name`: a device's, or all stacked).
+
+    **Returns:**
+
+    `(squared_norm, trace)`, float32 scalars: unbiased estimates of
+    `|G|^2`, the true gradient's squared norm, and of `tr(Sigma)`, the
+    trace of one micro-batch gradient's covariance (of a unit of weight,
+    weighted), over every device (McCandlish et al. 2018, appendix A).
+    NaN before a window of two micro-batches or more. `trace /
+    squared_norm` is `B_simple`, in micro-batches (units of weight); it is
+    noisy: smooth both (`docs/multi_steps.md`, "The gradient noise scale").
+    """
+    carry = getattr(state, "noise_scale", None)
+    if not isinstance(carry, NoiseScaleState):
+        raise TypeError(_MSG_NOT_NOISE.format(describe_value(state)))
+    return tuple(jnp.reshape(x, (-1,))[0] for x in carry[3:])

@@ -76,6 +76,10 @@ class SingleDeviceState:
         """This device's own of a state leaf with the axis."""
         return x
 
+    def total(self, tree: PyTree) -> tuple[PyTree, int]:
+        """The devices' own values of `tree` summed, and their number."""
+        return tree, 1
+
     def finish(
         self, acc: PyTree, accumulator: Accumulator, weight: Any, dtypes: PyTree
     ) -> tuple[PyTree, jax.Array | None]:
@@ -163,6 +167,9 @@ class PerDeviceState(SingleDeviceState):
 
     def mine(self, x: jax.Array) -> jax.Array:
         return x[0]
+
+    def total(self, tree: PyTree) -> tuple[PyTree, int]:
+        return lax.psum(tree, self.axis_name), lax.axis_size(self.axis_name)
 
     def finish(
         self, acc: PyTree, accumulator: Accumulator, weight: Any, dtypes: PyTree
