@@ -1,8 +1,6 @@
-"""`MultiSteps`' accumulations, one class each, each owning its carry
-from `init` to `finalize`: `acc_grads` and the state fields after
-optax's (a dict while a step runs). `MultiSteps`, the window and the
-devices never ask which kind they hold. A `Part` adds a field and what it
-sees of every mini-step and window (`NoiseScale`)."""
+"""`MultiSteps`' accumulations, one class each, each owning its carry from
+`init` to `finalize`: `acc_grads` and its state fields after optax's (a
+dict while a step runs). A part (`NoiseScale`) adds one field to a kind."""
 
 from __future__ import annotations
 
@@ -170,9 +168,8 @@ class Plain:
 
         acc = jax.tree.map(one, devices.add_axis(inputs.grads), acc)
         for p in self.parts:
-            own = jax.tree.map(devices.mine, carry[p.field])
-            new = p.fold(own, inputs.grads, inputs.weight, step)
-            carry = {**carry, p.field: devices.add_axis(new)}
+            new = p.fold(carry[p.field], inputs.grads, inputs.weight, step)
+            carry = {**carry, p.field: new}
         return acc, carry
 
     def ready(self, step: Any) -> jax.Array | None:
@@ -192,9 +189,8 @@ class Plain:
         total = None if step.weights is None else step.weights.total
         value, keep = devices.finish(acc, self.arithmetic, total, dtypes)
         for p in self.parts:
-            own = jax.tree.map(devices.mine, reports[p.field])
-            new = p.finalize(own, value, self.arithmetic, devices)
-            reports = {**reports, p.field: devices.add_axis(new)}
+            new = p.finalize(reports[p.field], value, self.arithmetic, devices)
+            reports = {**reports, p.field: new}
         return jax.tree.map(as_gradient_dtype, value, dtypes), keep, reports
 
     def after(self, carry: dict, step: Any, devices: Any) -> dict:
@@ -203,7 +199,7 @@ class Plain:
 
     def as_optax(self, state: Any) -> Any:
         """`state` as `optax.MultiStepsState`, or an error if it cannot be."""
-        if isinstance(state, WeightedMultiStepsState) or hasattr(state, "acc_weight"):
+        if hasattr(state, "acc_weight"):
             raise TypeError(_MSG_AS_OPTAX)
         return optax.MultiStepsState(*state[:5])
 
@@ -271,9 +267,9 @@ class Weighted(Plain):
 
 
 class NoiseScaleState(NamedTuple):
-    """`MultiSteps(..., noise_scale=True)`'s scalars (float32; with
-    `axis_name`, this device's own): the window's sums so far, and the
-    estimates from the last completed window (`gradient_noise_scale`)."""
+    """`MultiSteps(..., noise_scale=True)`'s float32 scalars (with
+    `axis_name`, this device's, of shape `(1,)`): the window's sums so far,
+    and the estimates from the last completed window."""
 
     sum_squares: jax.Array  # sum_i w_i |g_i|^2
     weight: jax.Array  # sum_i w_i (each w_i 1 unweighted)

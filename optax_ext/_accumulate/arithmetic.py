@@ -182,12 +182,7 @@ def round_stochastically(x: jax.Array, key: jax.Array) -> jax.Array:
     """`x` (float32) in bfloat16, rounded up with probability the fraction
     of a bfloat16 ulp it lies above the one below (so without bias); the
     bits come from a hash of `key` and each element's index."""
-    index = _u32(0)
-    for d in range(x.ndim):
-        index = lax.add(
-            lax.mul(index, _u32(x.shape[d])),
-            lax.broadcasted_iota(jnp.uint32, x.shape, d),
-        )
+    index = lax.reshape(lax.iota(jnp.uint32, x.size), x.shape)
     noise = lax.shift_right_logical(_mix(_mix(lax.add(index, key))), _u32(16))
     bits = lax.add(lax.bitcast_convert_type(x, jnp.uint32), noise)
     up = lax.bitcast_convert_type(lax.bitwise_and(bits, _u32(0xFFFF0000)), jnp.float32)
@@ -195,8 +190,8 @@ def round_stochastically(x: jax.Array, key: jax.Array) -> jax.Array:
 
 
 def rounds_stochastically(dtype: Any) -> bool:
-    """Whether values of `dtype` round stochastically to bfloat16: integers
-    and floats of 32 bits or fewer (through float32, exactly)."""
+    """Whether values of `dtype` round stochastically to bfloat16 (through
+    float32): integers, and floats of 32 bits or fewer."""
     if jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_:
         return True
     return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits <= 32

@@ -72,12 +72,8 @@ class SingleDeviceState:
         """This device's index along the axis."""
         return jnp.zeros((), jnp.int32)
 
-    def mine(self, x: jax.Array) -> jax.Array:
-        """This device's own of a state leaf with the axis."""
-        return x
-
     def total(self, tree: PyTree) -> tuple[PyTree, int]:
-        """The devices' own values of `tree` summed, and their number."""
+        """The devices' values of `tree` summed, and their number."""
         return tree, 1
 
     def finish(
@@ -164,9 +160,6 @@ class PerDeviceState(SingleDeviceState):
 
     def index(self) -> jax.Array:
         return lax.axis_index(self.axis_name)
-
-    def mine(self, x: jax.Array) -> jax.Array:
-        return x[0]
 
     def total(self, tree: PyTree) -> tuple[PyTree, int]:
         return lax.psum(tree, self.axis_name), lax.axis_size(self.axis_name)
