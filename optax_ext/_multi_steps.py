@@ -13,13 +13,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, PyTree
 
-from ._accumulate.accumulations import (
-    OPTAX_FIELDS,
-    NoiseScale,
-    Plain,
-    State,
-    Weighted,
-)
+from ._accumulate.accumulations import OPTAX_FIELDS, NoiseScale, Plain, State, Weighted
 from ._accumulate.arithmetic import check_accumulator_dtype, zero_accumulator
 from ._accumulate.branch import choose_form
 from ._accumulate.devices import device_state
@@ -44,34 +38,24 @@ from ._tree import saturating_increment
 
 
 def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
-    """Whether mini-step `mini_step` (from 0) completes a window of `k`; never
-    for `k <= 0` or NaN, as in optax."""
+    """Whether `mini_step` (from 0) ends a window of `k`; never `k <= 0` or NaN."""
     return jnp.logical_and(k > 0, mini_step + 1 >= k)
 
 
-def _next_state(
-    state: State, step: MiniStep, emitted: jax.Array, window: Window, fields: tuple
-) -> State:
-    """The state after a mini-step with `fields` (optax's after the
-    counters, then the carry), its counters moved by selection and saturating."""
-    mini_step = jnp.asarray(state.mini_step)
-    count = jnp.where(step.should_skip, mini_step, saturating_increment(mini_step))
-    mini = jnp.where(step.window_end, 0, count).astype(mini_step.dtype)
-    gradient = jnp.asarray(state.gradient_step)
-    gradient = jnp.where(emitted, saturating_increment(gradient), gradient)
-    *fields, carry = fields
-    carry = window.accumulation.after(carry, step, window.devices)
-    return window.accumulation.state((mini, gradient, *fields), carry)
+def _counters(step: MiniStep, emitted: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The counters after `step`, moved by selection and saturating."""
+    n, gradient = step.index, step.gradient_step
+    count = jnp.where(step.should_skip, n, saturating_increment(n))
+    mini = jnp.where(step.window_end, 0, count).astype(n.dtype)
+    return mini, jnp.where(emitted, saturating_increment(gradient), gradient)
 
 
 def _as_optax_holds_it(state: Any) -> Any:
     """`state` and every `MultiSteps` state nested in its inner state with
     `acc_grads` zeros where its window has just ended (`mini_step == 0`)."""
-    start = jnp.asarray(state.mini_step) == 0
-    acc = jax.tree.map(
-        lambda a: jnp.where(start, jnp.zeros_like(a), a), state.acc_grads
-    )
-    nested = lambda s: getattr(s, "_fields", ())[:5] == OPTAX_FIELDS  # noqa: E731
+    new = jnp.asarray(state.mini_step) == 0
+    acc = jax.tree.map(lambda a: jnp.where(new, jnp.zeros_like(a), a), state.acc_grads)
+    nested = lambda s: getattr(s, "_fields", ())[:5] == OPTAX_FIELDS
     inner = jax.tree.map(
         lambda s: _as_optax_holds_it(s) if nested(s) else s,
         state.inner_opt_state,
@@ -85,16 +69,15 @@ class MultiSteps(Configured):
 
     A drop-in for `optax.MultiSteps`: the same constructor, methods (extra
     keyword arguments such as `value=` go to the inner optimizer) and state,
-    `optax.MultiStepsState`, so a checkpoint moves between the two (after a
-    window's last mini-step through `optax_state`). The mini-step completing
-    a window of `k = every_k_schedule(gradient_step)` accepted mini-steps
-    returns the inner optimizer's updates on the window's mean (or sum);
-    every other returns exact zeros.
-
-    Beyond optax: the inner state keeps every leaf's dtype, shape and weak
-    type; no NaN or `inf` crosses a window; no gradient is rounded into a
-    narrower accumulator (a `TypeError` instead); `params` may be an Equinox
-    model. The full contract: `docs/multi_steps.md`.
+    so a checkpoint moves between the two (to optax through `optax_state`).
+    The mini-step completing a window of `k = every_k_schedule(gradient_step)`
+    accepted mini-steps returns the inner optimizer's updates on the window's
+    mean (or sum); every other returns exact zeros. Beyond optax: the inner
+    state keeps every leaf's dtype, shape and weak type; no NaN or `inf`
+    crosses a window; no gradient is rounded into a narrower accumulator (a
+    `TypeError` instead); `params` may be an Equinox model. Equal arguments
+    build equal `MultiSteps` (a static argument of `jax.jit` compiles once).
+    The full contract: `docs/multi_steps.md`.
 
     **Arguments:**
 
@@ -112,23 +95,17 @@ class MultiSteps(Configured):
       float16 params, as optax); `None`: the params leaf's own.
     - `axis_name`: accumulate per device inside `jax.shard_map` and average
       across this axis once per window (`docs/data_parallel.md`).
-    - `weighted`: if `True`, `update` and `apply_gradients` take each
-      mini-step's `weight=` (a scalar >= 0, e.g. its non-padding tokens) and
-      the window emits `sum_i w_i g_i / sum_i w_i` (`sum_i w_i g_i` with
-      `use_grad_mean=False`). A weight of 0 leaves no trace (even a NaN
-      gradient); a window of weight 0 applies nothing and is not counted in
-      `gradient_step`. The state is a `WeightedMultiStepsState`
-      (`docs/multi_steps.md`, "Uneven micro-batches").
+    - `weighted`: if `True`, each mini-step takes a `weight=` (a scalar >= 0,
+      e.g. its non-padding tokens) and the window emits
+      `sum_i w_i g_i / sum_i w_i` (`sum_i w_i g_i` with `use_grad_mean=False`).
+      A weight of 0 leaves no trace; a window of weight 0 applies nothing and
+      is not counted in `gradient_step`. The state: `WeightedMultiStepsState`.
     - `stochastic_rounding`: with `accumulator_dtype=jnp.bfloat16`, a
       bfloat16 accumulator for any float gradients of 32 bits or fewer,
-      each fold rounded up or down without bias (`docs/multi_steps.md`).
-    - `noise_scale`: if `True`, each window also estimates the gradient
-      noise scale from its micro-batch gradients (five scalars of state, in
-      the field `noise_scale`); read it with
-      `optax_ext.gradient_noise_scale(state)` (`docs/multi_steps.md`).
-
-    Two `MultiSteps` built from equal arguments compare and hash equal, so a
-    jitted step taking the optimizer as a static argument compiles once.
+      each fold rounded up or down without bias.
+    - `noise_scale`: if `True`, each window also estimates the gradient noise
+      scale from its micro-batch gradients (five scalars in the state's field
+      `noise_scale`, read by `optax_ext.gradient_noise_scale(state)`).
 
     **Example:**
 
@@ -189,11 +166,9 @@ class MultiSteps(Configured):
         return self._window.inner
 
     def init(self, params: optax.Params) -> State:
-        """Builds the initial `optax.MultiStepsState` for `params`.
-
-        With `axis_name`, call it inside `jax.shard_map`: `acc_grads` and
-        `skip_state` then hold this device's own values (`state_specs`).
-        """
+        """Builds the initial state for `params`. With `axis_name`, call it
+        inside `jax.shard_map`: `acc_grads` and `skip_state` then hold this
+        device's own values (`state_specs`)."""
         params = accumulated(params)
         self._devices.check_bound("init")
         w, zero = self._window, lambda: jnp.zeros((), jnp.int32)
@@ -243,8 +218,7 @@ class MultiSteps(Configured):
         emit: bool | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Params, State]:
-        """`update` and applying its updates to `params`, fused (for
-        `optax_ext.apply_gradients`)."""
+        """`update` and `optax.apply_updates`, fused (`optax_ext.apply_gradients`)."""
         return self._step(grads, state, params, extra_args, fused=True, emit=emit)
 
     def _step(
@@ -269,12 +243,12 @@ class MultiSteps(Configured):
         out = merge_trainable(params, out) if fused else restore_none(grads, out)
         inner_state = strong_as_recorded(inner_state, inputs.record)
         skip_state = self._devices.add_axis(inputs.skip_state)
-        fields = (inner_state, acc, skip_state, carry)
-        return out, _next_state(state, step, emitted, self._window, fields)
+        carry = self._accumulation.after(carry, step, self._devices)
+        fields = (*_counters(step, emitted), inner_state, acc, skip_state)
+        return out, self._accumulation.state(fields, carry)
 
     def _decide(self, inputs: StepInputs, state: State, emit: bool | None) -> MiniStep:
-        """This mini-step's decisions: its weights, whether it ends its
-        window (at `k` accepted mini-steps, or as `emit` says)."""
+        """This mini-step's weights and whether it ends its window (`k`, `emit`)."""
         mini_step = jnp.asarray(state.mini_step)
         carry = self._accumulation.carry(state)
         weights = self._accumulation.begin(carry, inputs.weight, mini_step)
@@ -290,50 +264,27 @@ class MultiSteps(Configured):
         (nested `MultiSteps` states too). Jittable. A window held open past
         its length (`emit=False`) is refused where the counters are known,
         and a weighted state always (optax would drop its `acc_weight`).
-
-        **Example:**
-
-        ```python
-        opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
-        state = opt.init(jnp.zeros(3))
-        for g in (jnp.ones(3), jnp.ones(3)):  # a whole window
-            _, state = opt.update(g, state)
-        theirs = optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
-        updates, _ = theirs.update(jnp.ones(3), opt.optax_state(state))
-        ```
-        """
+        Example: `docs/multi_steps.md`, "State"."""
         check_state(state, "optax_state")
         state = self._accumulation.as_optax(state)
-        known = self._host_window(state)
-        if known is not None:
-            mini, k = known[0], float(known[1])
-            if k >= 1 and mini >= math.ceil(k):
-                raise ValueError(
-                    f"MultiSteps.optax_state: the state's window holds {mini} "
-                    f"mini-steps, not closed at its length {k:g} (held open by "
-                    "`apply_gradients(..., emit=False)`). optax.MultiSteps "
-                    "emits only at mini-step k - 1, so it would never close "
-                    "this window. Close it first: one more step with "
-                    "`emit=True`, or without `emit`."
-                )
+        mini, k = self._host_window(state) or (0, 0)  # traced: not refused
+        k = float(k)
+        if k >= 1 and mini >= math.ceil(k):
+            raise ValueError(
+                f"MultiSteps.optax_state: the state's window holds {mini} mini-steps, "
+                f"not closed at its length {k:g} (held open by "
+                "`apply_gradients(..., emit=False)`). optax.MultiSteps emits only at "
+                "mini-step k - 1, so it would never close this window. Close it "
+                "first: one more step with `emit=True`, or without `emit`."
+            )
         return _as_optax_holds_it(state)
 
     def emits_next(self, state: State) -> bool:
         """Whether the window ends on the next accepted mini-step, for a host
         loop that passes `apply_gradients(..., emit=)`; not for inside `jit`
         (it reads the counters off the device). After a resume, start the
-        loop's count from `int(state.mini_step)`.
-
-        **Example:**
-
-        ```python
-        opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
-        state = opt.init(jnp.zeros(3))
-        assert not opt.emits_next(state)
-        _, state = opt.update(jnp.ones(3), state)
-        assert opt.emits_next(state)
-        ```
-        """
+        loop's count from `int(state.mini_step)`. Example:
+        `docs/multi_steps.md`, "The fused train step"."""
         check_state(state, "emits_next")
         known = self._host_window(state)
         if known is None:

@@ -8,10 +8,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jaxtyping import PyTree
 
-from ._accumulate.accumulations import NO_WEIGHT, UNREAD
+from ._accumulate.accumulations import NO_WEIGHT, OPTAX_FIELDS, UNREAD
 from ._accumulate.arithmetic import (
     PROMOTION_ERROR,
     holds,
@@ -26,59 +25,19 @@ from ._tree import as_index, check_same_shapes, check_same_structure, describe_v
 INT32_MAX = int(jnp.iinfo(jnp.int32).max)
 _ACC = "the accumulated gradients in the state"
 _NUMERIC = (jnp.integer, jnp.floating, jnp.bool_)
-
-_MSG_EVERY_K = (
-    "every_k_schedule must be an int from 1 to 2**31 - 1, got {!r}: it is the number "
-    "of mini-steps accumulated per update, counted in the state's int32 mini_step."
-)
-_MSG_K = (
-    "every_k_schedule returned {!r}{}; a window is a whole number of mini-steps "
-    "from 1 to 2**31 - 1 (the state counts them in int32). Round the schedule's "
-    "output (e.g. `jnp.ceil(k).astype(jnp.int32)`)."
-)
-_MSG_FIELDS = (
-    "{}'s `{}` must be the optax.MultiStepsState that MultiSteps.init returned, "
-    "got {}, which has no {}. {}"
-)
 _HINT_DICT = (
-    "It is a dict with the state's fields, as a checkpoint restored without a target "
-    "comes back: restore into the abstract state (`jax.eval_shape(opt.init, params)`) "
-    "or the state init returns, so that its types come back too."
+    "It is a dict of the state's fields, as a checkpoint restored without a target "
+    "comes back: restore into `jax.eval_shape(opt.init, params)` (or the state init "
+    "returns), so that its types come back too."
 )
 _HINT_STATE = (
     "Pass the whole MultiSteps state (not its inner_opt_state, nor another "
     "optimizer's state)."
 )
-_MSG_SKIP_FLAG = (
-    "should_skip_update_fn {} must return a scalar bool as its first output, got {} "
-    "{!r} (dtype {}, shape {}). Reduce it to one decision, e.g. with `jnp.any(...)`."
-)
 _HINT_PARAMS = (
     "pass the params (or the Equinox model) this MultiSteps's init was given, "
     "or params of the same tree and shapes."
 )
-_MSG_FLOAT0 = (
-    "MultiSteps: the gradient at {} has dtype float0, what "
-    "`jax.grad(..., allow_int=True)` gives an integer param: there is nothing to "
-    "accumulate or apply there (optax's optimizers and `apply_updates` refuse "
-    "float0 too). Pass None there, as `eqx.filter_grad` does, or leave the "
-    "integer params out of the differentiated tree."
-)
-
-
-def _rounding_message(where: str, g_dtype: Any, a_dtype: Any, acc_dtype: Any) -> str:
-    least = least_holding(g_dtype, a_dtype)
-    wide = f"a dtype holding {g_dtype}" if least is None else f"jnp.{least}"
-    return (
-        f"MultiSteps: the gradient at {where or 'the root'} has dtype {g_dtype}, "
-        f"but the accumulator for it in the state (acc_grads{where}) has dtype "
-        f"{a_dtype}, which does not hold every {g_dtype} value: accumulating "
-        f"would round every gradient to {a_dtype}. The accumulator's dtype is "
-        "fixed by init: the least dtype holding the params' dtype and "
-        f"accumulator_dtype (here accumulator_dtype={acc_dtype}). Build "
-        f"MultiSteps with accumulator_dtype={wide} and init it again, or pass "
-        f"gradients of dtype {a_dtype}."
-    )
 
 
 def _caller(method: str) -> tuple[str, str]:
@@ -97,19 +56,18 @@ def prepare_step(
     method: str,
 ) -> StepInputs:
     """The inputs of a `MultiSteps` step, checked."""
-    devices = config.devices
+    devices, (who, state_arg) = config.devices, _caller(method)
     devices.check_bound(method)
     extra_args = dict(extra_args)
     weight = extra_args.pop("weight", NO_WEIGHT)
     check_state(state, method)
-    weight = config.accumulation.check(state, weight, _caller(method))
+    weight = config.accumulation.check(state, weight, (who, state_arg))
     acc = devices.drop_axis(state.acc_grads)
     if params is not None:
         params = accumulated(params)
         _check_params(params, acc)
     given, grads = grads, zeros_where_undifferentiated(grads, params)
-    _check_gradients(grads, acc, config.accumulator_dtype, config.accumulation)
-    who, state_arg = _caller(method)
+    _check_gradients(grads, acc, config)
     record = check_state_structure(
         config.inner.init,
         state.inner_opt_state,
@@ -130,22 +88,21 @@ def prepare_step(
 def check_state(state: Any, method: str, *, counters: bool = True) -> None:
     """Checks `state`'s fields and counters (a step's: arrays)."""
     who, state_arg = _caller(method)
-    fields = optax.MultiStepsState._fields
-    missing = [f for f in fields if not hasattr(state, f)]
+    missing = [f for f in OPTAX_FIELDS if not hasattr(state, f)]
     if missing:
-        # A dict with the fields: a checkpoint restored without a target.
-        as_dict = isinstance(state, dict) and set(fields) <= set(state)
-        hint = _HINT_DICT if as_dict else _HINT_STATE
-        got, names = describe_value(state), ", ".join(missing)
-        raise TypeError(_MSG_FIELDS.format(who, state_arg, got, names, hint))
+        as_dict = isinstance(state, dict) and set(OPTAX_FIELDS) <= set(state)
+        raise TypeError(
+            f"{who}'s `{state_arg}` must be the optax.MultiStepsState that "
+            f"MultiSteps.init returned, got {describe_value(state)}, which has no "
+            f"{', '.join(missing)}. {_HINT_DICT if as_dict else _HINT_STATE}"
+        )
     arrays = method in ("update", "apply_gradients")  # a step's
     for name in ("mini_step", "gradient_step") if counters else ():
         value = getattr(state, name)
         try:
-            dtype = jnp.result_type(value)
+            integer = jnp.issubdtype(jnp.result_type(value), jnp.integer)
         except TypeError:
-            dtype = None
-        integer = dtype is not None and jnp.issubdtype(dtype, jnp.integer)
+            integer = False
         if not integer or jnp.ndim(value) or (arrays and not hasattr(value, "dtype")):
             what = f"(one state's counter; for a stack of states, jax.vmap {who})"
             if arrays:
@@ -163,62 +120,64 @@ def check_bool(value: Any, must: str) -> bool:
     return bool(value)
 
 
-def check_stochastic_rounding(value: Any, accumulator_dtype: Any) -> bool:
+def check_stochastic_rounding(value: Any, dtype: Any) -> bool:
     """`stochastic_rounding` as a bool, with a bfloat16 `accumulator_dtype`."""
     stochastic = check_bool(value, "stochastic_rounding must be True or False")
-    if stochastic and accumulator_dtype != jnp.bfloat16:
+    if stochastic and dtype != jnp.bfloat16:
         raise ValueError(
-            "stochastic_rounding=True rounds the accumulator to bfloat16 without "
-            "bias; it needs accumulator_dtype=jnp.bfloat16, got "
-            f"accumulator_dtype={accumulator_dtype}."
+            "stochastic_rounding=True (a bfloat16 accumulator rounded without bias) "
+            f"needs accumulator_dtype=jnp.bfloat16, got accumulator_dtype={dtype}."
         )
     return stochastic
 
 
-def validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], Any]:
-    if callable(every_k_schedule):
-        return every_k_schedule
-    # A bool is the int it is, as in optax (which tests `isinstance(k, int)`).
-    k = as_index(every_k_schedule)
-    if isinstance(every_k_schedule, bool):
-        k = int(every_k_schedule)
+def validate_every_k(every_k: Any) -> Callable[[jax.Array], Any]:
+    """`every_k_schedule` as a function; a bool is its int, as in optax."""
+    if callable(every_k):
+        return every_k
+    k = int(every_k) if isinstance(every_k, bool) else as_index(every_k)
     if k is None:
         raise TypeError(
-            "every_k_schedule must be a positive int or a function of the "
-            f"gradient step returning one, got {every_k_schedule!r} of type "
-            f"{type(every_k_schedule).__name__}."
+            "every_k_schedule must be a positive int or a function of the gradient "
+            f"step returning one, got {every_k!r} of type {type(every_k).__name__}."
         )
     if not 1 <= k <= INT32_MAX:
-        raise ValueError(_MSG_EVERY_K.format(every_k_schedule))
+        raise ValueError(
+            f"every_k_schedule must be an int from 1 to 2**31 - 1, got {every_k!r}: "
+            "it is the number of mini-steps accumulated per update, counted in the "
+            "state's int32 mini_step."
+        )
     return lambda _: k
 
 
 def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
-    """The window length from `every_k_schedule`, checked where known."""
+    """The window length from `every_k_schedule` (a bool: its int), checked if known."""
     try:
         known = np.asarray(k)
     except UNREAD:
         known = None
-    kind = known if known is not None else jnp.asarray(k)
-    numeric = any(jnp.issubdtype(kind.dtype, t) for t in _NUMERIC)
-    if kind.shape != () or not numeric:
+    kind = jnp.asarray(k) if known is None else known
+    if kind.shape != () or not any(jnp.issubdtype(kind.dtype, t) for t in _NUMERIC):
         raise TypeError(
             "every_k_schedule must return a scalar int (the number of mini-steps "
             f"in this window), got {describe_value(k)}."
         )
-    if kind.dtype == jnp.bool_:
-        k = jnp.asarray(k, jnp.int32)
     value = None if known is None else known.item()
     if value is not None and not (1 <= value <= INT32_MAX and value == int(value)):
         try:
             at = f" at gradient step {int(gradient_step)}"
         except jax.errors.ConcretizationTypeError:
             at = ""
-        raise ValueError(_MSG_K.format(value, at))
-    return jnp.asarray(k)
+        raise ValueError(
+            f"every_k_schedule returned {value!r}{at}; a window is a whole number of "
+            "mini-steps from 1 to 2**31 - 1 (the state counts them in int32). Round "
+            "the schedule's output (e.g. `jnp.ceil(k).astype(jnp.int32)`)."
+        )
+    return jnp.asarray(k, jnp.int32 if kind.dtype == jnp.bool_ else None)
 
 
 def check_skip_fn(fn: Any) -> Callable | None:
+    """`should_skip_update_fn`, checked to be `None` or callable."""
     if fn is not None and not callable(fn):
         raise TypeError(
             "should_skip_update_fn must be None or a function "
@@ -238,11 +197,8 @@ def skip_decision(
     if fn is None:
         return jnp.zeros((), jnp.bool_), ()
     if weight is not None:
-        w = weight if isinstance(weight, jax.Array) else np.asarray(weight)
-        zero_weight = w == 0
-        updates = jax.tree.map(
-            lambda g: jnp.where(zero_weight, jnp.zeros_like(g), g), updates
-        )
+        zero = (weight if isinstance(weight, jax.Array) else np.asarray(weight)) == 0
+        updates = jax.tree.map(lambda g: jnp.where(zero, jnp.zeros_like(g), g), updates)
     out = fn(updates, gradient_step, params)
     name = getattr(fn, "__name__", repr(fn))
     if not (isinstance(out, tuple) and len(out) == 2):
@@ -255,8 +211,11 @@ def skip_decision(
     if isinstance(should_skip, bool):
         should_skip = jnp.asarray(should_skip)
     elif dtype != jnp.bool_ or shape != ():
-        got = type(should_skip).__name__
-        raise TypeError(_MSG_SKIP_FLAG.format(name, got, should_skip, dtype, shape))
+        raise TypeError(
+            f"should_skip_update_fn {name} must return a scalar bool first, got "
+            f"{type(should_skip).__name__} {should_skip!r} (dtype {dtype}, shape "
+            f"{shape}). Reduce it to one decision, e.g. with `jnp.any(...)`."
+        )
     return should_skip, skip_state
 
 
@@ -268,26 +227,39 @@ def _check_params(params: PyTree, acc: PyTree) -> None:
     check_same_shapes(acc, params, **names, hint=_HINT_PARAMS)
 
 
-def _check_gradients(grads: PyTree, acc: PyTree, accumulator_dtype: Any, kind) -> None:
+def _check_gradients(grads: PyTree, acc: PyTree, config: Window) -> None:
     """Raises where the gradients do not fit the accumulator."""
-    check_same_structure(acc, grads, expected_name=_ACC, got_name="the updates")
-    check_same_shapes(
-        acc,
-        grads,
-        expected_name="the accumulated gradients",
-        got_name="the updates",
-        hint="the gradients must have the shapes of the params.",
-    )
+    names = dict(expected_name=_ACC, got_name="the updates")
+    check_same_structure(acc, grads, **names)
+    hint = "the gradients must have the shapes of the params."
+    check_same_shapes(acc, grads, **names, hint=hint)
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     for (path, g), a in zip(flat, jax.tree.leaves(acc), strict=True):
         where = jax.tree_util.keystr(path)
         if getattr(g, "dtype", None) == jax.dtypes.float0:
-            raise TypeError(_MSG_FLOAT0.format(where))
+            raise TypeError(
+                f"MultiSteps: the gradient at {where} has dtype float0, which "
+                "`jax.grad(..., allow_int=True)` gives an integer param: nothing to "
+                "accumulate or apply (optax's optimizers and `apply_updates` refuse "
+                "it too). Pass None there, as `eqx.filter_grad` does, or leave the "
+                "integer params out of the differentiated tree."
+            )
         g_dtype = jnp.result_type(g)
         try:
             held = jnp.result_type(g, a.dtype) == a.dtype
         except PROMOTION_ERROR:
             held = holds(a.dtype, g_dtype)
-        if not (held or kind.stochastic and rounds_stochastically(g_dtype)):
-            message = _rounding_message(where, g_dtype, a.dtype, accumulator_dtype)
-            raise TypeError(message)
+        if held or config.accumulation.stochastic and rounds_stochastically(g_dtype):
+            continue
+        least = least_holding(g_dtype, a.dtype)
+        wide = f"a dtype holding {g_dtype}" if least is None else f"jnp.{least}"
+        raise TypeError(
+            f"MultiSteps: the gradient at {where or 'the root'} has dtype {g_dtype}, "
+            f"but its accumulator in the state (acc_grads{where}) has dtype "
+            f"{a.dtype}, which does not hold every {g_dtype} value: accumulating would "
+            f"round every gradient to {a.dtype}. init fixes the accumulator's dtype: "
+            "the least dtype holding the params' dtype and accumulator_dtype (here "
+            f"accumulator_dtype={config.accumulator_dtype}). Build MultiSteps with "
+            f"accumulator_dtype={wide} and init it again, or pass gradients of dtype "
+            f"{a.dtype}."
+        )
