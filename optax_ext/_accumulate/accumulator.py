@@ -52,7 +52,7 @@ class Accumulator:
         """`acc` with `x` folded in as the `index`-th value (from 0), rounded
         to nearest, or stochastically with the bits of `key`."""
         if weights is None:
-            return fold(x, acc, index, self.mean, key=key)
+            return fold(x, acc, index, self.mean, key)
         return _fold_weighted(x, acc, weights, self.mean, key)
 
     def part(self, acc: jax.Array, weight: jax.Array | None) -> jax.Array:
@@ -140,16 +140,11 @@ def reduce_across(
 
 
 def fold(
-    g: jax.Array,
-    acc: jax.Array,
-    index: jax.Array,
-    mean: bool,
-    *,
-    may_be_first: bool = True,
-    key: jax.Array | None = None,
+    g: jax.Array, acc: jax.Array, index: jax.Array, mean: bool, key: Any = None
 ) -> jax.Array:
     """`acc` with `g` folded in as the `index`-th value (from 0): Welford's
-    running mean `acc + (g - acc) / (index + 1)`, or the sum."""
+    running mean `acc + (g - acc) / (index + 1)`, or the sum; the first
+    value selected."""
     # lax, not jnp: no per-leaf `jit` of jnp's functions to trace and inline.
     work = work_dtype(acc.dtype)
     g = widen(jnp.asarray(g), work)
@@ -159,8 +154,7 @@ def fold(
         running = lax.add(old, lax.div(lax.sub(g, old), count))
     else:
         running = lax.add(old, g)
-    if may_be_first:
-        running = lax.select(index == 0, g, running)
+    running = lax.select(index == 0, g, running)
     return _narrowed(running, acc.dtype, key)
 
 
