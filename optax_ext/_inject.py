@@ -38,8 +38,6 @@ def _takes_a_tree(tp: Any) -> bool:
 
 def _annotation_rules_out_schedule(annotation: Any) -> bool:
     """Rule 5: the annotation names `Callable`s, none taking one number."""
-    if annotation is inspect.Parameter.empty or isinstance(annotation, str):
-        return False
     forms = [
         typing.get_args(t)[0]
         for t in _type_args(annotation)
@@ -62,9 +60,7 @@ def _rejects_str(param: inspect.Parameter) -> bool:
         default = param.default
         return isinstance(default, (int, float)) and not isinstance(default, bool)
     types = _type_args(annotation)  # a Literal's strings among them
-    return not any(
-        t is str or t is typing.Any or t is object or isinstance(t, str) for t in types
-    )
+    return not any(t in (str, typing.Any, object) or isinstance(t, str) for t in types)
 
 
 def classify(name: str, value: Any, param: inspect.Parameter, static: set[str]) -> str:
@@ -84,9 +80,8 @@ def classify(name: str, value: Any, param: inspect.Parameter, static: set[str]) 
     if _injection.is_mask_name(name):
         return STATIC
     if callable(value):
-        if param.default is not param.empty and callable(param.default):
-            return STATIC
-        if _annotation_rules_out_schedule(param.annotation):
+        function_default = param.default is not param.empty and callable(param.default)
+        if function_default or _annotation_rules_out_schedule(param.annotation):
             return STATIC
         return SCHEDULE
     if _is_int(value) and _is_int(param.default):
@@ -218,9 +213,8 @@ def inject_hyperparams(
         arguments = {n: snapshot(v) for n, v in bound.arguments.items()}
         params = signature.parameters
         kinds = {n: classify(n, v, params[n], static) for n, v in arguments.items()}
-        injection = _injection.Injection(
+        return _injection.Injection(
             inner_factory, signature, arguments, kinds, static, hyperparam_dtype
-        )
-        return injection.as_transformation()
+        ).as_transformation()
 
     return wrapped_factory

@@ -40,23 +40,16 @@ def is_mask_name(name: str) -> bool:
 
 def _takes_a_float(param: inspect.Parameter) -> bool:
     """Whether `param`'s default is a float or its annotation has `float`, not `int`."""
-    if isinstance(param.default, float):
-        return True
     annotation = param.annotation
-    if annotation is param.empty or isinstance(annotation, str):
-        return False
     union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
     members = typing.get_args(annotation) if union else (annotation,)
-    return float in members and int not in members
+    return isinstance(param.default, float) or (float in members and int not in members)
 
 
 def _wider_hint(hyperparam_dtype: Any) -> str:
     """The first words of `_check_kept`'s advice: how to store a wider value."""
     if hyperparam_dtype is not None:
-        return (
-            "Store the hyperparameters in a wider dtype (a wider "
-            "hyperparam_dtype, or None to keep each value's own), name"
-        )
+        return "Use a wider hyperparam_dtype (None keeps each value's dtype), name"
     if not jax.config.jax_enable_x64:
         return "Enable float64 (`jax.config.update('jax_enable_x64', True)`), name"
     return "Name"
@@ -99,10 +92,9 @@ class Injection(Configured):
         tx = self.factory(*call.args, **call.kwargs)
         if not is_transformation(tx):
             raise ArgumentError(
-                f"inner_factory {self._name} returned {describe_value(tx)}; "
-                "inject_hyperparams expects it to return an "
-                "optax.GradientTransformation (an object with init and update), "
-                "as optax.adam does."
+                f"inner_factory {self._name} returned {describe_value(tx)}; it must "
+                "return an optax.GradientTransformation (an object with init and "
+                "update), as optax.adam does."
             )
         return with_extra_args(tx)
 
@@ -113,21 +105,21 @@ class Injection(Configured):
         cast = self.dtype is not None and floating and not strong_array
         return self.dtype if cast else value.dtype
 
-    def _as_given(self, name: str, given: Any) -> jax.Array:
-        """`given` as an array; an int taken as a float as that float, if exact."""
+    def _as_given(self, name: str) -> jax.Array:
+        """`name`'s given value as an array; an int for a float as a float, if exact."""
+        given = self.numeric[name]
         value = jnp.asarray(given)
-        integer = jnp.issubdtype(value.dtype, jnp.integer) and value.dtype != jnp.bool_
+        integer = jnp.issubdtype(value.dtype, jnp.integer)  # a bool is not
         if integer and _takes_a_float(self.signature.parameters[name]):
             as_float = np.asarray(given, jnp.result_type(float))
             if as_float == np.asarray(given):
                 return jnp.asarray(as_float)
         return value
 
-    def _as_state_value(
-        self, name: str, value: Any, dtype: Any, where: str, check: bool = True
-    ) -> jax.Array:
-        """`value` as a strong array of `dtype`; refuses another kind or shape."""
-        given = f"the value given to {self._name}: {self.arguments.get(name)!r}"
+    def _as_state_value(self, name: str, value: Any, where: str) -> jax.Array:
+        """`value` as numeric `name`'s strong array; refuses another kind or shape."""
+        dtype = self._storage_dtype(self._as_given(name), self.numeric[name])
+        given = f"the value given to {self._name}: {self.numeric[name]!r}"
         holds = lambda v: f"{where} holds {describe_value(v)}, but {name}"
         try:
             array = jnp.asarray(value)
@@ -136,12 +128,11 @@ class Injection(Configured):
                 f"{holds(value)} is a numeric hyperparameter of dtype {dtype} "
                 f"({given}). Write a number or an array."
             ) from None
-        shape = jnp.shape(self.numeric[name]) if name in self.numeric else ()
+        shape = jnp.shape(self.numeric[name])
         if array.shape != shape:
             raise ArgumentValueError(
                 f"{holds(array)} has shape {shape} ({given}); another shape would "
-                f"broadcast into the updates and the params. Write a value of shape "
-                f"{shape}."
+                f"broadcast into the updates and params. Write one of shape {shape}."
             )
         as_number = array.dtype == jnp.bool_ and dtype != jnp.bool_
         kept = array.dtype == dtype or jnp.can_cast(array.dtype, dtype, "same_kind")
@@ -153,8 +144,7 @@ class Injection(Configured):
                 f"{given}); {why}. Write a value of dtype {dtype}, or build the "
                 f"optimizer with {name} given as a value of the dtype you need."
             )
-        if check:
-            self._check_kept(name, value, dtype, where)
+        self._check_kept(name, value, dtype, where)
         return jnp.asarray(array, dtype)  # strong: no weak type to lose
 
     def _check_kept(self, name: str, value: Any, dtype: Any, where: str) -> None:
@@ -172,12 +162,11 @@ class Injection(Configured):
         ):
             if np.any(lost):
                 raise ArgumentValueError(
-                    f"{where} holds {value!r}, which {jnp.dtype(dtype)} rounds to "
-                    f"{becomes}: stored so, it would change what {self._name} "
-                    "computes (a decay rate of 1 averages nothing, an eps of 0 "
-                    f"divides by 0). {_wider_hint(self.dtype)} {name} in static_args "
-                    f"(handed to {self._name} as given), or give it a value that "
-                    f"{jnp.dtype(dtype)} holds."
+                    f"{where} holds {value!r}, which {dtype} rounds to {becomes}: "
+                    f"stored so, it would change what {self._name} computes (a decay "
+                    "rate of 1 averages nothing, an eps of 0 divides by 0). "
+                    f"{_wider_hint(self.dtype)} {name} in static_args (handed to "
+                    f"{self._name} as given), or give it a value that {dtype} holds."
                 )
 
     def _as_factory_argument(self, stored: jax.Array, weak: bool) -> jax.Array:
@@ -185,8 +174,8 @@ class Injection(Configured):
             return stored  # hyperparam_dtype: strong, as optax hands it
         return as_weak(stored) if weak else stored
 
-    def _schedule_value(self, name: str, schedule: Any, state: Any, **extra):
-        value = schedule(state, **extra)
+    def _schedule_value(self, name: str, state: Any, **extra: Any) -> jax.Array:
+        value = self.schedules[name](state, **extra)
         number = isinstance(value, NUMBER_TYPES) and not isinstance(value, str)
         array = jnp.asarray(value) if number else None
         if array is None or array.shape or not jnp.issubdtype(array.dtype, jnp.number):
@@ -196,8 +185,8 @@ class Injection(Configured):
                 "schedule must return a number of shape () for each step count: a "
                 "Python number, or an int, float or complex array."
             )
-        dtype = self._storage_dtype(array, value)
-        return self._as_state_value(name, array, dtype, name, check=False)
+        # A number of shape (): nothing for `_as_state_value` to refuse
+        return jnp.asarray(array, self._storage_dtype(array, value))
 
     def _hyperparams(
         self,
@@ -209,13 +198,10 @@ class Injection(Configured):
         """The stored and handed forms of the schedules and of `numeric`'s names."""
         stored, handed = {}, {}
         for n in [m for m in self.numeric if m in numeric]:
-            given = self.numeric[n]
-            dtype = self._storage_dtype(self._as_given(n, given), given)
-            stored[n] = self._as_state_value(n, numeric[n], dtype, f"{where}[{n!r}]")
+            stored[n] = self._as_state_value(n, numeric[n], f"{where}[{n!r}]")
             handed[n] = self._as_factory_argument(stored[n], n in self.weak)
-        for n, schedule in self.schedules.items():
-            state = schedule_states[n]
-            stored[n] = self._schedule_value(n, schedule, state, **extra_args)
+        for n in self.schedules:
+            stored[n] = self._schedule_value(n, schedule_states[n], **extra_args)
             # Weak, as optax.scale_by_schedule casts it to each update's dtype
             handed[n] = self._as_factory_argument(stored[n], weak=True)
         return stored, handed
@@ -234,13 +220,12 @@ class Injection(Configured):
                 jax.eval_shape(run, {n: self.numeric[n] for n in names})
             except (ArgumentError, ArgumentValueError):
                 raise  # our own report on a bad argument
-            except Exception as error:  # noqa: BLE001 - not ours to judge (e.g. an
-                # update that needs `value=`): the real call will say
+            except Exception as error:  # noqa: BLE001 - the real call reports it
                 return not isinstance(error, jax.errors.ConcretizationTypeError)
             return True
 
         key = avals_key(params)
-        names = None if key is None else self._traceable_names.get(key)
+        names = self._traceable_names.get(key)
         if names is None:
             schedule_states = {n: s.init() for n, s in self.schedules.items()}
             # All pass; or all fail with every number known (a schedule that
@@ -285,8 +270,7 @@ class Injection(Configured):
             raise TypeError(
                 f"inject_hyperparams({self._name}).update's `state` was not built by "
                 f"this optimizer: its hyperparams are {sorted(hyperparams)}, where "
-                f"this optimizer injects {injected}. Pass the state that this "
-                "optimizer's init returned (not one built by another optimizer)."
+                f"this optimizer injects {injected}. Pass the state its init returned."
             )
         notes, branched = [], sorted(untraceable)
         if static := sorted(set(self.passed) & set(unknown)):
@@ -300,8 +284,7 @@ class Injection(Configured):
             f"state.hyperparams holds {unknown or branched}, which {self._name} "
             f"does not take as an injected hyperparameter: the injected ones are "
             f"{numeric} and the schedules {sorted(self.schedules)}{''.join(notes)}. A "
-            "value written there would be ignored. Give the value when building the "
-            "optimizer instead."
+            "value written there is ignored: give it when building the optimizer."
         )
 
     def init(self, params: Any) -> optax.InjectStatefulHyperparamsState:
@@ -329,7 +312,7 @@ class Injection(Configured):
             )
         where = f"inject_hyperparams({self._name}).update"
         _tree.check_updates_fit_params(updates, params, where)
-        given_params = None if params is None else inner_params(params)
+        given_params = inner_params(params)
         filled = updates_for_inner(updates, params)
         self._check_names(state.hyperparams, filled if params is None else given_params)
         schedule_states = state.hyperparams_states
@@ -340,11 +323,9 @@ class Injection(Configured):
             n: s.update(schedule_states[n], **extra_args)
             for n, s in self.schedules.items()
         }
-        new_updates, inner_state = self._build(handed).update(
+        new_updates, inner = self._build(handed).update(
             filled, state.inner_state, given_params, **extra_args
         )
         count = _tree.saturating_increment(state.count).astype(jnp.int32)
-        new_state = optax.InjectStatefulHyperparamsState(
-            count, stored, next_states, inner_state
-        )
-        return updates_for_params(updates, new_updates, params), new_state
+        state = optax.InjectStatefulHyperparamsState(count, stored, next_states, inner)
+        return updates_for_params(updates, new_updates, params), state

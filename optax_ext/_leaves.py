@@ -42,13 +42,9 @@ def is_integer(x: Any) -> bool:
     """An integer array (not bool, not a key) or a Python `int` (not bool)."""
     if isinstance(x, int):
         return not isinstance(x, bool)
-    dtype = getattr(x, "dtype", None)
-    return (
-        dtype is not None
-        and eqx.is_array(x)
-        and not is_typed_key(x)
-        and jnp.issubdtype(dtype, jnp.integer)
-    )
+    if not eqx.is_array(x) or is_typed_key(x):
+        return False
+    return jnp.issubdtype(x.dtype, jnp.integer)
 
 
 def is_weak_number(x: Any) -> bool:

@@ -34,18 +34,8 @@ _STRUCTURE_HINT = (
 )
 
 
-_MSG_UNEQUAL_CONTAINERS = (
-    "their containers print alike ({}) but compare unequal: they differ in "
-    "what a container holds beside its children and does not print (an "
-    "Equinox module's static fields, say, which a pickle round trip can make "
-    "unequal). Restore a checkpoint into the state this process builds (its "
-    "init, or `jax.eval_shape` of it), so the containers come from here"
-)
-
-
 def _difference(exp_paths, got_paths, exp_def, got_def, names) -> str:
-    """Where two trees differ: the first path of the expected tree missing or
-    `None` on one side, else a path it lacks, else their containers."""
+    """Where two trees differ: a path, else their containers."""
     expected_name, got_name = names
     for path, leaf in exp_paths.items():
         if path not in got_paths:
@@ -59,9 +49,8 @@ def _difference(exp_paths, got_paths, exp_def, got_def, names) -> str:
             )
         if (leaf is None) != (got_paths[path] is None):
             return (
-                f"at {path or 'the root'} {got_name} hold "
-                f"{_describe(got_paths[path])} but {expected_name} hold "
-                f"{_describe(leaf)}"
+                f"at {path or 'the root'} {got_name} hold {_describe(got_paths[path])}"
+                f" but {expected_name} hold {_describe(leaf)}"
             )
     extra = next((p for p in got_paths if p not in exp_paths), None)
     if extra is not None:
@@ -70,7 +59,14 @@ def _difference(exp_paths, got_paths, exp_def, got_def, names) -> str:
             f"{expected_name} do not have"
         )
     if str(got_def) == str(exp_def):
-        return _MSG_UNEQUAL_CONTAINERS.format(got_def)
+        return (
+            f"their containers print alike ({got_def}) but compare unequal: they "
+            "differ in what a container holds beside its children and does not "
+            "print (an Equinox module's static fields, say, which a pickle round "
+            "trip can make unequal). Restore a checkpoint into the state this "
+            "process builds (its init, or `jax.eval_shape` of it), so the "
+            "containers come from here"
+        )
     return (
         f"the containers differ: {got_name} are {got_def}, "
         f"{expected_name} are {exp_def}"
@@ -87,15 +83,13 @@ def check_same_structure(
 ) -> None:
     """Raises a `ValueError` naming the first path where two trees differ."""
     flatten = lambda t: jax.tree_util.tree_flatten_with_path(t, is_leaf=is_none)
-    exp_leaves, exp_def = flatten(expected)
-    got_leaves, got_def = flatten(got)
+    (exp_leaves, exp_def), (got_leaves, got_def) = flatten(expected), flatten(got)
     nones = lambda leaves: [leaf is None for _, leaf in leaves]
     if exp_def == got_def and nones(exp_leaves) == nones(got_leaves):
         return
-    exp_paths = {jax.tree_util.keystr(p): leaf for p, leaf in exp_leaves}
-    got_paths = {jax.tree_util.keystr(p): leaf for p, leaf in got_leaves}
+    paths = lambda leaves: {jax.tree_util.keystr(p): leaf for p, leaf in leaves}
     names = (expected_name, got_name)
-    problem = _difference(exp_paths, got_paths, exp_def, got_def, names)
+    problem = _difference(paths(exp_leaves), paths(got_leaves), exp_def, got_def, names)
     raise ValueError(
         f"The tree of {got_name} does not match {expected_name}: {problem}. {hint}"
     )
@@ -109,9 +103,8 @@ def check_same_shapes(
     for (path, e), g in zip(flat, jax.tree.leaves(got), strict=True):
         if jnp.shape(e) != jnp.shape(g):
             raise ValueError(
-                f"At {jax.tree_util.keystr(path) or 'the root'} {got_name} have "
-                f"shape {jnp.shape(g)} but {expected_name} have shape "
-                f"{jnp.shape(e)}: {hint}"
+                f"At {jax.tree_util.keystr(path) or 'the root'} {got_name} have shape "
+                f"{jnp.shape(g)} but {expected_name} have shape {jnp.shape(e)}: {hint}"
             )
 
 
@@ -139,7 +132,7 @@ def cast_like(x: jax.Array, like: Any) -> jax.Array:
             return lax.convert_element_type(x, like.dtype)
     else:
         template = lax.full_like(like, 0, shape=())
-    fill = lambda v: lax.full_like(template, v)  # noqa: E731
+    fill = lambda v: lax.full_like(template, v)
     for _ in range(x.ndim):
         fill = jax.vmap(fill)
     return fill(x)
@@ -163,26 +156,24 @@ def check_updates_fit_params(
     updates: PyTree, params: PyTree, who: str, name: str = "updates"
 ) -> None:
     """Raises unless `updates` have `optimised(params)`'s tree (`None` fits a leaf)."""
-    if params is None:
-        return
     kept = optimised(params)
+    structure = lambda tree: jax.tree.structure(tree, is_leaf=is_none)
+    if params is None or structure(updates) == structure(kept):
+        return
     mark = lambda x: _NO_UPDATE if x is None else x
     flat = lambda tree: jax.tree.map(mark, tree, is_leaf=is_none)
-    structure = lambda tree: jax.tree.structure(tree, is_leaf=is_none)
-    if structure(updates) != structure(kept):
-        try:
-            check_same_structure(
-                flat(kept),
-                flat(updates),
-                expected_name="the params",
-                got_name=f"the {name}",
-                hint="Pass updates (gradients) with the structure of the params "
-                "passed with them; a None update may stand for any param leaf, "
-                "as `eqx.filter_grad` gives None for leaves it does not "
-                "differentiate.",
-            )
-        except ValueError as error:
-            raise ValueError(f"{who}: {error}") from None
+    try:
+        check_same_structure(
+            flat(kept),
+            flat(updates),
+            expected_name="the params",
+            got_name=f"the {name}",
+            hint="Pass updates (gradients) with the structure of the params passed "
+            "with them; a None update may stand for any param leaf, as "
+            "`eqx.filter_grad` gives None for leaves it does not differentiate.",
+        )
+    except ValueError as error:
+        raise ValueError(f"{who}: {error}") from None
 
 
 def describe_value(value: Any) -> str:
