@@ -25,23 +25,6 @@ def check_emit(who: str, where: str, tx: Any, emit: Any) -> None:
         )
 
 
-def _check_arguments(state: Any, emit: Any, extra_args: dict[str, Any]) -> None:
-    """Raises for arguments `train_state_apply_gradients` cannot take."""
-    if not all(hasattr(state, name) for name in _FIELDS):
-        raise TypeError(
-            f"{_NAME}: state must be a flax `TrainState` (or what has "
-            f"{', '.join(_FIELDS)}), got {type(state).__name__}: {state!r:.200}."
-        )
-    if replaced := sorted(name for name in extra_args if hasattr(state, name)):
-        raise TypeError(
-            f"{_NAME}: {replaced[0]}= names a field of the TrainState, but the "
-            "keyword arguments go to state.tx.update (weight=, skip=), not to "
-            "state.replace as in TrainState.apply_gradients. Replace it on the "
-            f"result: `{_NAME}(state, grads).replace({replaced[0]}=...)`."
-        )
-    check_emit(_NAME, "state.tx", state.tx, emit)
-
-
 def train_state_apply_gradients(
     state: Any,
     /,
@@ -83,7 +66,19 @@ def train_state_apply_gradients(
     state = train_step(state, batch, 16.0)
     ```
     """
-    _check_arguments(state, emit, extra_args)
+    if not all(hasattr(state, name) for name in _FIELDS):
+        raise TypeError(
+            f"{_NAME}: state must be a flax `TrainState` (or what has "
+            f"{', '.join(_FIELDS)}), got {type(state).__name__}: {state!r:.200}."
+        )
+    if replaced := sorted(name for name in extra_args if hasattr(state, name)):
+        raise TypeError(
+            f"{_NAME}: {replaced[0]}= names a field of the TrainState, but the "
+            "keyword arguments go to state.tx.update (weight=, skip=), not to "
+            "state.replace as in TrainState.apply_gradients. Replace it on the "
+            f"result: `{_NAME}(state, grads).replace({replaced[0]}=...)`."
+        )
+    check_emit(_NAME, "state.tx", state.tx, emit)
     fp8_ops = sys.modules.get("flax.linen.fp8_ops")  # fp8 params: as flax 0.12
     key = getattr(fp8_ops, "OVERWRITE_WITH_GRADIENT", None)
     fp8 = key is not None and isinstance(grads, Mapping) and key in grads

@@ -74,8 +74,8 @@ def _is_single_prng_key(x: Any) -> bool:
     return key.shape == ()
 
 
-def _batch_size(args: tuple, argnums: tuple[int, ...], k: int) -> int:
-    """The common leading size of every batch leaf; checks it splits in `k`."""
+def _check_batch(args: tuple, argnums: tuple[int, ...], k: int) -> None:
+    """Raises unless every batch leaf has one leading size, which splits in `k`."""
     size, first = None, None
     for i in argnums:
         leaves = jax.tree_util.tree_flatten_with_path(args[i])[0]
@@ -106,24 +106,29 @@ def _batch_size(args: tuple, argnums: tuple[int, ...], k: int) -> int:
             f"split into num_microbatches={k} equal micro-batches; pass a batch "
             f"whose size is a multiple of {k}."
         )
-    return size
 
 
-def _check_per_example(per_example: Any) -> Any:
-    """`per_example`: True, False, `"gradient"`, or a pytree of them."""
-    if isinstance(per_example, bool | np.bool_):
-        return bool(per_example)
-    marks = jax.tree.leaves(per_example)
-    for mark in marks:
+def _check_combine(weight_fn: Any, per_example: Any, use_grad_mean: Any) -> None:
+    """Checks how outputs combine: `weight_fn`, `per_example`, `use_grad_mean`."""
+    if weight_fn is not None and not callable(weight_fn):
+        raise TypeError(
+            "weight_fn must be None or a function taking grad_fn's arguments "
+            "(the batch cut to one micro-batch) and returning its weight, got "
+            f"{describe_value(weight_fn)}."
+        )
+    for mark in jax.tree.leaves(per_example):
         if not (isinstance(mark, bool | np.bool_) or is_gradient_mark(mark)):
             raise TypeError(
-                "per_example must be True, False, 'gradient', or a pytree "
-                "prefix of grad_fn's output with such leaves (True: rows "
-                "returned as they are; 'gradient': rows of a gradient with "
-                "respect to the batch); got "
-                f"{per_example!r}, whose leaf {mark!r} is none of them."
+                "per_example must be True, False, 'gradient', or a pytree prefix of "
+                "grad_fn's output with such leaves (True: rows returned as they "
+                "are; 'gradient': rows of a gradient with respect to the batch); "
+                f"got {per_example!r}, whose leaf {mark!r} is none of them."
             )
-    return per_example
+    if not isinstance(use_grad_mean, bool | np.bool_):
+        raise TypeError(
+            "use_grad_mean must be True (the micro-batches' outputs averaged) "
+            f"or False (summed), got {describe_value(use_grad_mean)}."
+        )
 
 
 def _check_num_real(value: Any, k: int) -> Any:
@@ -151,39 +156,6 @@ def _check_num_real(value: Any, k: int) -> Any:
     return value
 
 
-def _checked(given: LoopSettings) -> LoopSettings:
-    """`microbatched`'s arguments as given, checked."""
-    if not callable(given.grad_fn):
-        raise TypeError(
-            f"grad_fn must be a function (e.g. jax.grad(loss)), got "
-            f"{given.grad_fn!r} of type {type(given.grad_fn).__name__}."
-        )
-    k = _int(given.num_microbatches, "num_microbatches", _COUNT)
-    argnums, key_argnum = _check_argnums(given.batch_argnums, given.key_argnum)
-    if given.weight_fn is not None and not callable(given.weight_fn):
-        raise TypeError(
-            "weight_fn must be None or a function taking grad_fn's arguments "
-            "(the batch cut to one micro-batch) and returning its weight, got "
-            f"{describe_value(given.weight_fn)}."
-        )
-    per_example = _check_per_example(given.per_example)
-    if not isinstance(given.mean, bool | np.bool_):
-        raise TypeError(
-            "use_grad_mean must be True (the micro-batches' outputs averaged) "
-            f"or False (summed), got {describe_value(given.mean)}."
-        )
-    dtype = check_accumulator_dtype(given.accumulator_dtype, complex_ok=False)
-    return given._replace(
-        num_microbatches=k,
-        batch_argnums=argnums,
-        key_argnum=key_argnum,
-        accumulator_dtype=dtype,
-        per_example=per_example,
-        num_real_microbatches=_check_num_real(given.num_real_microbatches, k),
-        mean=bool(given.mean),
-    )
-
-
 def microbatched(
     grad_fn: Callable,
     num_microbatches: int,
@@ -202,17 +174,15 @@ def microbatched(
 
     `microbatched(grad_fn, k)(*args)` returns what `grad_fn(*args)` returns
     on the whole batch, with the activation memory of `1/k` of it. Micro-batch
-    `j` is the rows `j, j + k, j + 2k, ...`. Outputs are combined leaf by
-    leaf: floating leaves averaged (the whole batch's value when the loss is
-    a **mean over the batch's rows**) as `MultiSteps`' running mean, integer
-    leaves summed, bool leaves `any`-ed, others returned as `grad_fn` gives
-    them. On a sharded batch each device accumulates its rows, reduced across
-    devices once after the loop. Keyword arguments are passed on unchanged.
-    A Flax NNX module argument runs the micro-batches in turn: what its
-    forward pass changes (BatchNorm's statistics, an `nnx.Rngs` count) goes
-    from one to the next and is in the module after the call. Details:
-    docs/microbatched.md, "What `microbatched` returns";
-    docs/data_parallel.md, "`microbatched` on a sharded batch".
+    `j` is the rows `j, j + k, j + 2k, ...`. Floating outputs are averaged as
+    `MultiSteps`' running mean (the whole batch's value for a loss that is a
+    **mean over the rows**), integer ones summed, bool ones `any`-ed, others
+    returned as `grad_fn` gives them. On a sharded batch each device
+    accumulates its rows, reduced across devices once after the loop.
+    Keyword arguments are passed on unchanged. What the forward pass changes
+    in an NNX module argument (BatchNorm's statistics, an `nnx.Rngs` count)
+    goes from one micro-batch to the next and is in the module after the call.
+    Details: docs/microbatched.md, docs/data_parallel.md, docs/nnx.md.
 
     **Arguments:**
 
@@ -249,16 +219,28 @@ def microbatched(
     loss, grads = step_grads(model, batch)  # as grad_fn(model, batch)
     ```
     """
-    given = (grad_fn, num_microbatches, batch_argnums, key_argnum, accumulator_dtype)
-    rest = (weight_fn, per_example, num_real_microbatches, use_grad_mean)
-    settings = _checked(LoopSettings(*given, *rest))
+    if not callable(grad_fn):
+        raise TypeError(
+            f"grad_fn must be a function (e.g. jax.grad(loss)), got "
+            f"{grad_fn!r} of type {type(grad_fn).__name__}."
+        )
+    k = _int(num_microbatches, "num_microbatches", _COUNT)
+    argnums, key = _check_argnums(batch_argnums, key_argnum)
+    _check_combine(weight_fn, per_example, use_grad_mean)
+    dtype = check_accumulator_dtype(accumulator_dtype, complex_ok=False)
+    num_real, mean = _check_num_real(num_real_microbatches, k), bool(use_grad_mean)
+    settings = LoopSettings(
+        grad_fn, k, argnums, key, dtype, weight_fn, per_example, num_real, mean
+    )
 
     def wrapped(*args: Any, **kwargs: Any) -> PyTree:
         _check_call(settings, args)
-        run, split_args, split_kwargs = _split_modules(settings, args, kwargs)
-        out, carried = run_on_devices(run, axis_name, split_args, split_kwargs)
+        keep = set(settings.batch_argnums) | {settings.key_argnum}
+        args, kwargs, found = split_graph_nodes(args, kwargs, keep)  # NNX modules
+        run = settings._replace(modules=ModuleCarry(found)) if found else settings
+        out, carried = run_on_devices(run, axis_name, args, kwargs)
         if run.modules is not None:
-            run.modules.write_back(split_args, split_kwargs, carried)
+            run.modules.write_back(args, kwargs, carried)
         return out
 
     # Not `functools.wraps`: `eqx.filter_jit` takes `__wrapped__` for a transform.
@@ -280,26 +262,14 @@ def _check_call(settings: LoopSettings, args: tuple) -> None:
             + f", but was called with {len(args)} positional arguments; "
             "pass them positionally."
         )
-    _batch_size(args, argnums, settings.num_microbatches)
+    _check_batch(args, argnums, settings.num_microbatches)
     if key_argnum is not None and not _is_single_prng_key(args[key_argnum]):
         key, impl = args[key_argnum], _raw_key_impl()
         shape = jax.eval_shape(functools.partial(jax.random.PRNGKey, impl=impl), 0)
         raise TypeError(
-            f"argument {key_argnum} (key_argnum) must be one PRNG key: a typed "
-            "key of shape () (jax.random.key(...)), or a raw key of the "
-            f"default implementation {impl!r} (jax.random.PRNGKey"
-            f"(...), uint32 of shape {shape.shape}); got "
-            f"{type(key).__name__} of shape {jnp.shape(key)} and dtype "
-            f"{getattr(key, 'dtype', None)}."
+            f"argument {key_argnum} (key_argnum) must be one PRNG key: a typed key "
+            "of shape () (jax.random.key(...)), or a raw key of the default "
+            f"implementation {impl!r} (jax.random.PRNGKey(...), uint32 of shape "
+            f"{shape.shape}); got {type(key).__name__} of shape {jnp.shape(key)} "
+            f"and dtype {getattr(key, 'dtype', None)}."
         )
-
-
-def _split_modules(
-    settings: LoopSettings, args: tuple, kwargs: dict
-) -> tuple[LoopSettings, tuple, dict]:
-    """NNX modules among the other arguments split, and their carry."""
-    keep = set(settings.batch_argnums) | {settings.key_argnum}
-    args, kwargs, found = split_graph_nodes(args, kwargs, keep)
-    if not found:
-        return settings, args, kwargs
-    return settings._replace(modules=ModuleCarry(found)), args, kwargs

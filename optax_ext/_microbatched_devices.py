@@ -1,6 +1,5 @@
-"""Where `microbatched`'s loop runs (as it is, in a `jax.shard_map` over
-the batch's mesh axes, or in the caller's over `axis_name`), and the one
-reduction across devices after it."""
+"""Where `microbatched`'s loop runs (as it is, in a `jax.shard_map` over the batch's
+mesh axes, or in the caller's over `axis_name`), and the one reduction after it."""
 
 from __future__ import annotations
 
@@ -20,19 +19,10 @@ from ._microbatched_loop import GradientRows, Looped, LoopSettings, Rows, accumu
 from ._sharding import axis_names, manual_axes, shards_over, typed_sharding
 from ._tree import cast_like
 
-_MSG_CLOSED_OVER = (
-    "microbatched runs grad_fn (and weight_fn) in a jax.shard_map over the "
-    "batch's Explicit mesh axes {}, which cannot close over a traced value "
-    "of the surrounding jit. Pass such values as arguments of grad_fn (given "
-    "to the microbatched call, which hands them on unchanged), not from the "
-    "enclosing function. ({})"
-)
-
 
 def _is_manual(axis_name: Hashable) -> bool:
     """Whether `axis_name` is bound here as a collective axis."""
-    mesh = jax.sharding.get_abstract_mesh()
-    names = axis_names(axis_name)
+    mesh, names = jax.sharding.get_abstract_mesh(), axis_names(axis_name)
     if mesh.axis_names and all(n in mesh.axis_names for n in names):
         return manual_axes(names) == names
     try:
@@ -44,23 +34,16 @@ def _is_manual(axis_name: Hashable) -> bool:
 
 def _batch_spec(args: tuple, argnums: tuple[int, ...]) -> tuple[Any, Any]:
     """The mesh axes the batch's type splits its rows over, and the mesh; or Nones."""
-    specs, mesh = set(), None
-    for i in argnums:
-        for x in jax.tree.leaves(args[i]):
-            sharding = typed_sharding(x)
-            specs.add(None if sharding is None else sharding.spec[0])
-            mesh = mesh if sharding is None else sharding.mesh
-    if len(specs) != 1:
-        return None, None
-    (spec,) = specs
-    return (None, None) if spec is None else (spec, mesh)
+    shardings = [typed_sharding(x) for i in argnums for x in jax.tree.leaves(args[i])]
+    specs = {None if s is None else s.spec[0] for s in shardings}
+    spec = specs.pop() if len(specs) == 1 else None
+    return (None, None) if spec is None else (spec, shardings[-1].mesh)
 
 
 def run_on_devices(
     settings: LoopSettings, axis_name: Hashable | None, args: tuple, kwargs: dict
 ) -> tuple[PyTree, dict]:
-    """`microbatched`'s result, the loop run where the batch lies, and the
-    NNX module leaves the loop carried (`ModuleCarry`)."""
+    """`microbatched`'s output, run where the batch lies, and the NNX leaves carried."""
     if axis_name is not None and _is_manual(axis_name):
         return _joined(*_run(settings, axis_name, args, kwargs))
     spec, mesh = _batch_spec(args, settings.batch_argnums)
@@ -77,10 +60,9 @@ def run_on_devices(
         mesh = jax.sharding.get_abstract_mesh()
         if not all(n in mesh.axis_names for n in axis_names(axis_name)):
             raise ValueError(
-                f"microbatched(axis_name={axis_name!r}) needs that axis "
-                "bound: call it inside jax.shard_map over it, or under "
-                "jax.set_mesh(mesh) with a mesh that has it; the mesh "
-                f"here has axes {mesh.axis_names}."
+                f"microbatched(axis_name={axis_name!r}) needs that axis bound: call "
+                "it inside jax.shard_map over it, or under jax.set_mesh(mesh) with a "
+                f"mesh that has it; the mesh here has axes {mesh.axis_names}."
             )
         spec = axis_name
     others = [a for i, a in enumerate(args) if i not in settings.batch_argnums]
@@ -98,15 +80,18 @@ def _run(
     *,
     regather: bool = False,
 ) -> tuple[PyTree, PyTree, PyTree, dict]:
-    """The output after the loop and reduction, as its per-example rows, its
-    other arrays (each `None` in the other's places) and the rest; and the
-    NNX module leaves the loop carried."""
+    """The output after the loop and reduction: its per-example rows, its other arrays
+    (each `None` in the other's places), the rest; and the NNX leaves carried."""
     looped = accumulate(settings, axis_name, args, kwargs, regather=regather)
-    values, total = _across_devices(looped, axis_name)
+    values, total, devices = looped.accumulators, looped.weight, 1
+    if axis_name is not None:  # the outputs and the weights' sum in one all-reduce
+        weight = None if looped.weights is None else total
+        values, total = reduce_across(looped.kinds, values, weight, axis_name)
+        devices = lax.axis_size(axis_name)
     results = []
     for kind, a, s in zip(looped.kinds, values, looped.structs, strict=True):
         if isinstance(kind, GradientRows):
-            a = _batch_share(a, kind, looped, total, axis_name)
+            a = _batch_share(a, kind, looped, total, devices)
         if isinstance(kind, Rows):  # `(rows, k, ...)` as the batch's rows
             a = a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
         results.append(cast_like(a, s))
@@ -122,25 +107,18 @@ def _joined(rows: PyTree, others: PyTree, static: PyTree, carried: dict) -> tupl
 
 @jax.tree_util.register_static
 class _Static:
-    """The output's parts that are not arrays, out of `jax.shard_map` as
-    the structure of its output (a pytree node without leaves)."""
+    """The output's non-arrays, out of `jax.shard_map` as a leafless node's treedef."""
 
     def __init__(self, value: PyTree):
         self.value = value
 
 
 def _batch_share(
-    acc: jax.Array,
-    kind: GradientRows,
-    looped: Looped,
-    total: jax.Array,
-    axis_name: Hashable | None,
+    acc: jax.Array, kind: GradientRows, looped: Looped, total: Any, devices: int
 ) -> jax.Array:
-    """A gradient with respect to the batch, `(rows, k, ...)`, each
-    micro-batch's rows scaled by its share of the batch."""
+    """Gradient rows `(rows, k, ...)`, each micro-batch's scaled by its batch share."""
     wide = acc.astype(work_dtype(acc.dtype))
     by_microbatch = (1, acc.shape[1]) + (1,) * (acc.ndim - 2)
-    devices = 1 if axis_name is None else lax.axis_size(axis_name)
     if looped.weights is None:
         count = jnp.asarray(looped.count, jnp.int32) if kind.accumulator.mean else 1
         count = jnp.maximum(count, 1) * devices
@@ -154,48 +132,39 @@ def _batch_share(
     return scaled.astype(acc.dtype)
 
 
-def _across_devices(
-    looped: Looped, axis_name: Hashable | None
-) -> tuple[list, jax.Array]:
-    """Each output over every device and the weights' sum, in one all-reduce."""
-    acc, total = looped.accumulators, looped.weight
-    if axis_name is None:
-        return acc, total
-    weight = total if looped.weights is not None else None
-    values, summed = reduce_across(looped.kinds, acc, weight, axis_name)
-    return values, total if summed is None else summed
-
-
 def _in_shard_map(
     settings: LoopSettings, mesh: Any, spec: Any, args: tuple, kwargs: dict
 ) -> PyTree:
-    """Runs the loop inside a `jax.shard_map` manual over the batch's axes
-    only, which split the batch and the per-example outputs."""
+    """The loop in a `jax.shard_map` manual only over the axes splitting the batch."""
     axes = axis_names(spec)
-    dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
-    dyn_args, dyn_kwargs = dynamic
+    (dyn_args, dyn_kwargs), static = eqx.partition((args, kwargs), eqx.is_array)
     batch = settings.batch_argnums
     in_specs = tuple(P(spec) if i in batch else P() for i in range(len(dyn_args)))
     count = settings.num_real_microbatches
-    traced_count = isinstance(count, jax.Array)
+    traced = isinstance(count, jax.Array)  # a shard_map input, else a constant
 
-    def local(dyn_args, dyn_kwargs, count):
+    def local(dyn_args, dyn_kwargs, c):
         args, kwargs = eqx.combine((dyn_args, dyn_kwargs), static)
-        here = settings._replace(num_real_microbatches=count)
+        here = settings._replace(num_real_microbatches=c if traced else count)
         rows, others, out_static, _ = _run(here, spec, tuple(args), kwargs)
         return rows, others, _Static(out_static)  # nothing carried: refused
 
     try:
         rows, others, out_static = jax.shard_map(
-            lambda a, k, c: local(a, k, c if traced_count else count),
+            local,
             mesh=mesh,
             in_specs=(in_specs, P(), P()),
             out_specs=(P(spec), P(), P()),
             axis_names=set(axes),
-        )(tuple(dyn_args), dyn_kwargs, count if traced_count else 0)
+        )(tuple(dyn_args), dyn_kwargs, count if traced else 0)
     except NotImplementedError as error:
         if "Closing over inputs to shard_map" not in str(error):
             raise
-        first = str(error).splitlines()[0]
-        raise ValueError(_MSG_CLOSED_OVER.format(axes, first)) from None
+        raise ValueError(
+            "microbatched runs grad_fn (and weight_fn) in a jax.shard_map over the "
+            f"batch's Explicit mesh axes {axes}, which cannot close over a traced "
+            "value of the surrounding jit. Pass such values as arguments of grad_fn "
+            "(given to the microbatched call, which hands them on unchanged), not "
+            f"from the enclosing function. ({str(error).splitlines()[0]})"
+        ) from None
     return eqx.combine(rows, others, out_static.value)

@@ -81,35 +81,37 @@ def pcast_varying(tree: PyTree, axis_name: Hashable) -> PyTree:
     `jax.grad` inside `shard_map` does not sum its gradient over devices."""
 
     def cast(x: Any) -> Any:
-        if not isinstance(x, jax.Array):
+        axes = varying_axes(x) if isinstance(x, jax.Array) else None
+        if axes is None:
             return x
-        axes, names = varying_axes(x), manual_axes(axis_names(axis_name))
-        missing = tuple(n for n in names if axes is None or n not in axes)
-        if axes is None or not missing:
-            return x
-        return cast_varying(x, missing)
+        missing = tuple(n for n in manual_axes(axis_names(axis_name)) if n not in axes)
+        return cast_varying(x, missing) if missing else x
 
     return jax.tree.map(cast, tree)
 
 
-def _match_varying(value: jax.Array, like: jax.Array) -> jax.Array:
-    """`value` typed as varying wherever the carry `like` is."""
-    want, have = varying_axes(like), varying_axes(value)
-    if want is None or have is None or want <= have:
-        return value
-    return cast_varying(value, tuple(want - have))
+def _match_varying(tree: PyTree, like: PyTree) -> PyTree:
+    """`tree` typed as varying wherever the carry `like` is."""
+
+    def cast(value: jax.Array, like: jax.Array) -> jax.Array:
+        want, have = varying_axes(like), varying_axes(value)
+        if want is None or have is None or want <= have:
+            return value
+        return cast_varying(value, tuple(want - have))
+
+    return jax.tree.map(cast, tree, like)
 
 
 def _check_not_summed(outs: PyTree, kinds: list, acc: list, micro: Any, j: Any) -> None:
     """Refuses a float output that is the same on every device yet computed
     from grad_fn's arguments (which all vary): jax.grad summed it over them."""
-    names, summed = manual_axes(axis_names(micro.axis_name)), {}
+    names, found = manual_axes(axis_names(micro.axis_name)), {}
     paths = jax.tree_util.tree_leaves_with_path(outs)
     for i, (kind, (path, out), a) in enumerate(zip(kinds, paths, acc, strict=True)):
         axes = varying_axes(out), varying_axes(a)
-        if isinstance(kind, Accumulator) and None not in axes:
-            summed[i] = (path, summed_axes(*axes, names))
-    found = {i: s for i, s in summed.items() if s[1]}
+        same = () if None in axes else summed_axes(*axes, names)
+        if isinstance(kind, Accumulator) and same:
+            found[i] = path, same
     reads = micro.reads_arguments(j) if found else ()  # else a constant: averaged
     for path, same in (found[i] for i in found if reads[i]):
         along = same[0] if len(same) == 1 else same
@@ -124,27 +126,13 @@ def _check_not_summed(outs: PyTree, kinds: list, acc: list, micro: Any, j: Any) 
         )
 
 
-def _check_weight(weight: Any) -> jax.Array:
-    if not is_real_scalar(weight):
-        raise TypeError(
-            "weight_fn must return a real scalar >= 0 (the micro-batch's "
-            "weight, e.g. its number of non-padding tokens), got "
-            f"{describe_value(weight)}."
-        )
-    return jnp.asarray(weight)
-
-
-GRADIENT = "gradient"  # the `per_example` mark of a gradient w.r.t. the batch
-
-
 def is_gradient_mark(flag: Any) -> bool:
-    return isinstance(flag, str) and flag == GRADIENT
+    """Whether `flag` is the `per_example` mark of a gradient w.r.t. the batch."""
+    return isinstance(flag, str) and flag == "gradient"
 
 
 def _per_example_flags(per_example: Any, out_shape: PyTree, shapes: PyTree) -> list:
     """`per_example` as one mark per array leaf of the output."""
-    if isinstance(per_example, bool) or is_gradient_mark(per_example):
-        return [per_example] * len(jax.tree.leaves(shapes))
     try:
         prefix = lambda f, sub: jax.tree.map(lambda _: f, sub)  # noqa: E731
         full = jax.tree.map(prefix, per_example, shapes)
@@ -155,25 +143,21 @@ def _per_example_flags(per_example: Any, out_shape: PyTree, shapes: PyTree) -> l
             f"{jax.tree.structure(out_shape)}, "
             f"per_example is {jax.tree.structure(per_example)}. ({e})"
         ) from None
-    flags = jax.tree.leaves(full)
-    return [flag if is_gradient_mark(flag) else bool(flag) for flag in flags]
+    return [f if is_gradient_mark(f) else bool(f) for f in jax.tree.leaves(full)]
 
 
-def _kind_and_dtype(
-    struct: Any, per_example: Any, rows: int, settings: LoopSettings, path: str
-) -> tuple[Any, Any]:
+def _kind_and_dtype(struct: Any, flag: Any, micro: _MicroBatches, path: str) -> tuple:
     """How the output leaf at `path` is combined, and its accumulator's dtype."""
-    where = f"at {path or 'the root'}"
+    settings, rows, where = micro.settings, micro.rows, f"at {path or 'the root'}"
     floating = Accumulator(settings.mean, settings.weight_fn is not None)
-    if per_example:
+    if flag:
         if not struct.shape or struct.shape[0] != rows:
             raise ValueError(
-                f"per_example marks grad_fn's output {where} as having a "
-                f"row per example, but on a micro-batch of {rows} rows it "
-                f"has shape {struct.shape}: its leading axis must be the "
-                "micro-batch's rows."
+                f"per_example marks grad_fn's output {where} as having a row per "
+                f"example, but on a micro-batch of {rows} rows it has shape "
+                f"{struct.shape}: its leading axis must be the micro-batch's rows."
             )
-        if is_gradient_mark(per_example):
+        if is_gradient_mark(flag):
             if not jnp.issubdtype(struct.dtype, jnp.inexact):
                 raise TypeError(
                     f"per_example marks grad_fn's output {where} as "
@@ -197,10 +181,9 @@ def _kind_and_dtype(
 
 
 def _plan_outputs(
-    out_shape: PyTree, settings: LoopSettings, rows: int
+    out_shape: PyTree, micro: _MicroBatches
 ) -> tuple[list[Any], list[Any], list[Any], Any, PyTree]:
-    """Per combined leaf of `grad_fn`'s output its kind, accumulator dtype
-    and struct; their structure; and the rest of the output."""
+    """Per combined output leaf: kind, accumulator dtype, struct; treedef; the rest."""
     is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     combined = lambda x: is_struct(x) and not is_float0(x)  # noqa: E731
     shapes, static = eqx.partition(out_shape, combined, is_leaf=is_struct)
@@ -208,9 +191,9 @@ def _plan_outputs(
     as_numpy = lambda x: np.zeros(x.shape, x.dtype) if is_struct(x) else x  # noqa: E731
     static = jax.tree.map(as_numpy, static, is_leaf=is_struct)
     flat_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    flags = _per_example_flags(settings.per_example, out_shape, shapes)
+    flags = _per_example_flags(micro.settings.per_example, out_shape, shapes)
     planned = [
-        _kind_and_dtype(s, flag, rows, settings, jax.tree_util.keystr(path))
+        _kind_and_dtype(s, flag, micro, jax.tree_util.keystr(path))
         for (path, s), flag in zip(flat_shapes, flags, strict=True)
     ]
     kinds, acc_dtypes = [k for k, _ in planned], [d for _, d in planned]
@@ -230,10 +213,9 @@ def _zero(kind: Any, struct: Any, dtype: Any, k: int) -> jax.Array:
     return jnp.zeros(shape, dtype, out_sharding=sharding)
 
 
-def _params_barrier(j: jax.Array, tree: Any, argnums: tuple[int, ...]) -> Any:
-    """`(args, kwargs)` with their arrays outside the batch positions made
+def _params_barrier(j: jax.Array, args: list, kwargs: dict, argnums: tuple) -> Any:
+    """`args` and `kwargs` with their arrays outside the batch positions made
     to depend on `j`, so XLA cannot hoist their gathers out of the loop."""
-    args, kwargs = tree
     others = {i: a for i, a in enumerate(args) if i not in argnums}
     dynamic, static = eqx.partition((others, kwargs), eqx.is_array)
     dynamic, _ = lax.optimization_barrier((dynamic, j))
@@ -249,19 +231,6 @@ def _loop_bound(value: Any, k: int) -> Any:
     return jnp.clip(jnp.asarray(value).astype(jnp.int32), 0, k)
 
 
-def _rows(args: tuple, argnums: tuple, k: int) -> int:
-    """This device's rows of the batch; refused unless they split into `k`."""
-    size = jnp.shape(jax.tree.leaves(args[argnums[0]])[0])[0]
-    if size % k:
-        raise ValueError(
-            f"each device holds {size} rows of the batch (argument "
-            f"{argnums[0]}), which do not split into num_microbatches={k} "
-            f"equal micro-batches; the batch size must be a multiple of {k} "
-            "times the number of devices it is sharded over."
-        )
-    return size
-
-
 class _MicroBatches:
     """Micro-batch `j`'s arguments, and `grad_fn` and `weight_fn` on them."""
 
@@ -269,7 +238,15 @@ class _MicroBatches:
         k, argnums = settings.num_microbatches, settings.batch_argnums
         if axis_name is not None:
             args, kwargs = pcast_varying((args, kwargs), axis_name)
-        self.rows = _rows(args, argnums, k) // k
+        size = jnp.shape(jax.tree.leaves(args[argnums[0]])[0])[0]  # on this device
+        if size % k:
+            raise ValueError(
+                f"each device holds {size} rows of the batch (argument "
+                f"{argnums[0]}), which do not split into num_microbatches={k} "
+                f"equal micro-batches; the batch size must be a multiple of {k} "
+                "times the number of devices it is sharded over."
+            )
+        self.rows = size // k
         split = lambda x: split_leading(x, k)  # noqa: E731
         self.split = {i: jax.tree.map(split, args[i]) for i in argnums}
         key = settings.key_argnum
@@ -281,7 +258,7 @@ class _MicroBatches:
         argnums, key_argnum = self.settings.batch_argnums, self.settings.key_argnum
         args, kwargs = list(self.args), self.kwargs
         if self.regather:
-            args, kwargs = _params_barrier(j, (args, kwargs), argnums)
+            args, kwargs = _params_barrier(j, args, kwargs, argnums)
         take = lambda x: lax.dynamic_index_in_dim(x, j, 1, False)  # noqa: E731
         for i in argnums:
             args[i] = jax.tree.map(take, self.split[i])
@@ -294,8 +271,7 @@ class _MicroBatches:
 
     def call(self, j: Any, carried: Any = None, fn: Any = None, cut: Any = None) -> Any:
         """`grad_fn` (or `fn`) on micro-batch `j` (or the arguments `cut`), and
-        the module leaves it set (`carried`: as the micro-batch before left
-        them; None: as given, the leaves found, see `ModuleCarry.call`)."""
+        the module leaves it sets, from `carried` (see `ModuleCarry.call`)."""
         args, kwargs = cut or self.cut(j)
         fn, modules = fn or self.settings.grad_fn, self.settings.modules
         if modules is None:
@@ -303,8 +279,7 @@ class _MicroBatches:
         return modules.call(fn, tuple(args), kwargs, carried)
 
     def reads_arguments(self, j: jax.Array) -> list[bool]:
-        """For each combined output leaf: whether it is computed from the
-        micro-batch's arguments (a dataflow walk of grad_fn's jaxpr)."""
+        """Per combined output leaf: whether grad_fn's jaxpr reads the arguments."""
         dynamic, static = eqx.partition(self.cut(j), eqx.is_array)
         run = lambda d: self.call(j, {}, None, eqx.combine(d, static))[0]
         jaxpr = jax.make_jaxpr(lambda d: eqx.filter(run(d), is_combined))(dynamic)
@@ -315,13 +290,20 @@ class _MicroBatches:
         return [id(v) in live for v in jaxpr.jaxpr.outvars]
 
     def weight(self, j: jax.Array, carried: dict) -> jax.Array:
+        """`weight_fn` on micro-batch `j`, checked."""
         assert self.settings.weight_fn is not None
-        return _check_weight(self.call(j, carried, self.settings.weight_fn)[0])
+        weight = self.call(j, carried, self.settings.weight_fn)[0]
+        if not is_real_scalar(weight):
+            raise TypeError(
+                "weight_fn must return a real scalar >= 0 (the micro-batch's "
+                "weight, e.g. its number of non-padding tokens), got "
+                f"{describe_value(weight)}."
+            )
+        return jnp.asarray(weight)
 
 
 def _body(micro, kinds, dtype, j, carry):
-    """Micro-batch `j` folded into the carry: its outputs by their kinds,
-    its weight (with `weight_fn`) into the running weight."""
+    """Micro-batch `j`'s outputs, by their kinds, and weight folded into the carry."""
     acc, weight_sum, weights, carried = carry
     axis_name, settings = micro.axis_name, micro.settings
     terms: Weights | None = None
@@ -341,13 +323,9 @@ def _body(micro, kinds, dtype, j, carry):
             f"{len(outs)} arrays against {len(acc)}."
         )
     new = [k.fold(o, a, j, terms) for k, o, a in zip(kinds, outs, acc, strict=True)]
-    if axis_name is None:
-        return new, weight_sum, weights, changed
-    _check_not_summed(combined, kinds, acc, micro, j)
-    new = [_match_varying(n, a) for n, a in zip(new, acc, strict=True)]
-    if settings.weight_fn is not None:
-        weight_sum = _match_varying(weight_sum, carry[1])
-        weights = _match_varying(weights, carry[2])
+    if axis_name is not None:  # unweighted, `weight_sum` and `weights` are `carry`'s
+        _check_not_summed(combined, kinds, acc, micro, j)
+        new, weight_sum, weights = _match_varying((new, weight_sum, weights), carry[:3])
     return new, weight_sum, weights, changed
 
 
@@ -364,10 +342,8 @@ def accumulate(
     micro = _MicroBatches(settings, axis_name, args, kwargs, regather)
     out_shape, changed = eqx.filter_eval_shape(micro.call, jnp.int32(0))
     modules = settings.modules
-    carried = {} if modules is None else modules.initial(micro, axis_name, changed)
-    kinds, acc_dtypes, structs, treedef, static = _plan_outputs(
-        out_shape, settings, rows=micro.rows
-    )
+    carried = {} if modules is None else modules.initial(micro, changed)
+    kinds, acc_dtypes, structs, treedef, static = _plan_outputs(out_shape, micro)
     floating = zip(acc_dtypes, kinds, strict=True)
     dtype = weight_dtype([d for d, kind in floating if isinstance(kind, Accumulator)])
     weighted = settings.weight_fn is not None

@@ -12,22 +12,6 @@ from ._linen import check_emit
 _NAME = "optax_ext.nnx_apply_gradients"
 
 
-def _check_arguments(nnx: Any, optimizer: Any, model: Any, emit: Any) -> None:
-    """Raises for arguments `nnx_apply_gradients` cannot take."""
-    if nnx is None or not isinstance(optimizer, nnx.Optimizer):
-        raise TypeError(
-            f"{_NAME}: optimizer must be a flax `nnx.Optimizer` (built with "
-            "`nnx.Optimizer(model, tx, wrt=nnx.Param)`), got "
-            f"{type(optimizer).__name__}: {optimizer!r:.200}."
-        )
-    if not nnx.graph.is_graph_node(model):
-        raise TypeError(
-            f"{_NAME}: model must be the NNX module the optimizer was built "
-            f"for (an `nnx.Module`), got {type(model).__name__}: {model!r:.200}."
-        )
-    check_emit(_NAME, "optimizer.tx", optimizer.tx, emit)
-
-
 def nnx_apply_gradients(
     optimizer: Any,
     model: Any,
@@ -39,9 +23,9 @@ def nnx_apply_gradients(
 ) -> None:
     """`optimizer.update(model, grads)` for a Flax `nnx.Optimizer`, through
     `optax_ext.apply_gradients`: fused for `MultiSteps`, with `weight=` and
-    `emit=`. It reads and writes the model and optimizer in place as
-    `update` does (`wrt`, `optimizer.step`), so one optimizer, and its
-    checkpoints, take both; inside `nnx.jit` or outside.
+    `emit=`. It updates the model and optimizer in place as `update` does
+    (`wrt`, `optimizer.step`), so one optimizer and its checkpoints take
+    both; inside `nnx.jit` or outside.
 
     **Arguments:**
 
@@ -75,7 +59,18 @@ def nnx_apply_gradients(
     ```
     """
     nnx: Any = sys.modules.get("flax.nnx")  # None: no NNX optimizer exists
-    _check_arguments(nnx, optimizer, model, emit)
+    if nnx is None or not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            f"{_NAME}: optimizer must be a flax `nnx.Optimizer` (built with "
+            "`nnx.Optimizer(model, tx, wrt=nnx.Param)`), got "
+            f"{type(optimizer).__name__}: {optimizer!r:.200}."
+        )
+    if not nnx.graph.is_graph_node(model):
+        raise TypeError(
+            f"{_NAME}: model must be the NNX module the optimizer was built "
+            f"for (an `nnx.Module`), got {type(model).__name__}: {model!r:.200}."
+        )
+    check_emit(_NAME, "optimizer.tx", optimizer.tx, emit)
     # As `nnx.Optimizer.update` (flax 0.12) reads and writes its state.
     graph = {"graph": optimizer.graph} if hasattr(optimizer, "graph") else {}
     params = nnx.as_pure(nnx.state(model, optimizer.wrt, **graph))

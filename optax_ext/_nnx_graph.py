@@ -1,7 +1,6 @@
-"""Flax NNX modules as `microbatched` arguments: split together before the
-loop (what they share stays shared), merged in each trace of `grad_fn`,
-and the state `grad_fn` changes in them carried from micro-batch to
-micro-batch, then written back (why: docs/design.md, "Flax NNX")."""
+"""Flax NNX modules as `microbatched` arguments: split together (what they share
+stays shared), merged in each trace of `grad_fn`, the state it sets carried through
+the loop and written back (why: docs/design.md, "Flax NNX")."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ import jax.numpy as jnp
 
 
 class SplitNodes(eqx.Module):
-    """The arguments holding NNX graph nodes, split together by `nnx.split`:
-    in the first one's place, `SplitAway` in the others'."""
+    """The NNX-holding arguments, `nnx.split` together, in the first's place."""
 
     graphdef: Any = eqx.field(static=True)
     state: Any
@@ -30,9 +28,8 @@ class SplitAway(eqx.Module):
 def split_graph_nodes(
     args: tuple, kwargs: dict, keep: Collection[int | None]
 ) -> tuple[tuple, dict, dict]:
-    """`args` and `kwargs` with the values holding an NNX graph node (but at
-    the positions `keep`) split together, and those values as given, by
-    position or name."""
+    """`args` and `kwargs` with the values holding an NNX graph node (not at
+    `keep`) split together; and those values, by position or name."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return args, kwargs, {}
@@ -51,10 +48,8 @@ def split_graph_nodes(
 
 
 class ModuleCarry:
-    """The state leaves of the split modules that `grad_fn` sets (BatchNorm's
-    statistics, an `nnx.Rngs` count), by their index among the state's
-    leaves: found by a trace of one call, whose result they are; carried
-    through the loop, written back into the modules after it."""
+    """The split modules' state leaves that `grad_fn` sets (BatchNorm's statistics),
+    by index: found by tracing one call, carried through the loop, written back."""
 
     def __init__(self, originals: dict[int | str, Any]):
         self.originals = originals
@@ -62,15 +57,14 @@ class ModuleCarry:
     def _node(self, args: tuple, kwargs: dict) -> SplitNodes:
         return _by_key(args, kwargs)[next(iter(self.originals))]
 
-    def initial(self, micro: Any, axis_name: Any, changed: dict) -> dict:
-        """The leaves `grad_fn` sets (the keys of `changed`), as they came in;
-        refused per device, where each device would set them its own way."""
-        if changed and axis_name is not None:
+    def initial(self, micro: Any, changed: dict) -> dict:
+        """The leaves `grad_fn` sets (`changed`'s keys) as given; refused per device."""
+        if changed and micro.axis_name is not None:
             raise ValueError(
-                f"microbatched, per device over {axis_name!r}: grad_fn changes the "
-                "state of an NNX module it is passed (BatchNorm's statistics, an "
-                "nnx.Rngs count), which each device would change its own way. "
-                "Keep such state out of the module there."
+                f"microbatched, per device over {micro.axis_name!r}: grad_fn "
+                "changes the state of an NNX module it is passed (BatchNorm's "
+                "statistics, an nnx.Rngs count), which each device would change "
+                "its own way. Keep such state out of the module there."
             )
         leaves = jax.tree.leaves(self._node(micro.args, micro.kwargs).state)
         return {i: leaves[i] for i in changed}
@@ -82,9 +76,8 @@ class ModuleCarry:
         return jax.tree.unflatten(treedef, leaves)
 
     def call(self, fn: Callable, args: tuple, kwargs: dict, carried: dict | None):
-        """`fn` on the arguments, the modules merged with the `carried`
-        leaves; `fn`'s output and those leaves after it (`carried` None: the
-        modules as they came in, and the leaves `fn` sets, found by identity)."""
+        """`fn` run with the modules merged with the `carried` leaves: its output, and
+        those leaves after it (`carried` None: the leaves `fn` sets, by identity)."""
         nnx, node = sys.modules["flax.nnx"], self._node(args, kwargs)
         merged = nnx.merge(node.graphdef, self._state(node, carried or {}))
         at = dict(zip(node.keys, merged, strict=True))
@@ -95,8 +88,7 @@ class ModuleCarry:
         return out, {i: after[i] for i in keys}
 
     def write_back(self, args: tuple, kwargs: dict, carried: dict) -> None:
-        """The `carried` leaves, after the loop, written into the modules as
-        they were given."""
+        """The `carried` leaves written into the modules as they were given."""
         if carried:
             state = self._state(self._node(args, kwargs), carried)
             sys.modules["flax.nnx"].update(tuple(self.originals.values()), state)
@@ -108,8 +100,7 @@ def _by_key(args: tuple, kwargs: dict) -> dict[int | str, Any]:
 
 
 def _set_leaves(state: Any, after: list) -> list[int]:
-    """Which of the modules' state leaves `grad_fn` set to new arrays;
-    raises where it changed their structure, a shape or a dtype."""
+    """The state leaves `grad_fn` set, refused where it changes their tree or type."""
     paths = jax.tree_util.tree_flatten_with_path(state)[0]
     if len(after) != len(paths):
         raise ValueError(
@@ -117,20 +108,14 @@ def _set_leaves(state: Any, after: list) -> list[int]:
             f"({len(paths)} state leaves, then {len(after)}); microbatched "
             "carries their state from micro-batch to micro-batch, which needs one."
         )
-    changed = []
-    for i, ((path, old), new) in enumerate(zip(paths, after, strict=True)):
-        if new is old:
-            continue
-        changed.append(i)
-        was, now = _aval(old), _aval(new)
-        if was != now:
+    for (path, old), new in zip(paths, after, strict=True):
+        if new is not old and _aval(old) != _aval(new):
             raise ValueError(
-                f"grad_fn changed an NNX module's state at "
-                f"{jax.tree_util.keystr(path)} from {was} to {now}; microbatched "
-                "carries it from micro-batch to micro-batch, which needs one "
-                "shape and dtype."
+                f"grad_fn changed an NNX module's state at {jax.tree_util.keystr(path)}"
+                f" from {_aval(old)} to {_aval(new)}; microbatched carries it from "
+                "micro-batch to micro-batch, which needs one shape and dtype."
             )
-    return changed
+    return [i for i, new in enumerate(after) if new is not paths[i][1]]
 
 
 def _aval(x: Any) -> str:
