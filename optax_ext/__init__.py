@@ -3,9 +3,7 @@
 from ._accumulate.accumulations import (
     WeightedMultiStepsState as WeightedMultiStepsState,
 )
-from ._accumulate.accumulations import (
-    gradient_noise_scale as gradient_noise_scale,
-)
+from ._accumulate.accumulations import gradient_noise_scale as gradient_noise_scale
 from ._apply import apply_gradients as apply_gradients
 from ._inject import inject_hyperparams as inject_hyperparams
 from ._linen import train_state_apply_gradients as train_state_apply_gradients

@@ -25,7 +25,7 @@ ROOT = pathlib.Path(optax_ext.__file__).parent
 MAX_LINES = 50
 MAX_PRIVATE_PARAMETERS = 7
 MAX_MODULE_LINES = 450
-MAX_PACKAGE_LINES = 5100
+MAX_PACKAGE_LINES = 5000
 # Not climbs: a wrapped optimizer's entry point called by
 # `_transformations.step_and_apply` or a `_static.Method` (a `skip_when`
 # around a `MultiSteps`), and a function defined inside another (a
@@ -248,8 +248,9 @@ def test_parameter_counter_leaves_self_and_public_names_out():
 
 
 def test_modules_and_package_stay_small():
-    """No module over 450 lines; the package under 5,100 (5,000 until
-    microbatched carried an NNX module's state through its loop)."""
+    """No module over 450 lines; the package under 5,000 (it was let to
+    5,100 for microbatched's NNX carry, and brought back under 5,000 with
+    the two accumulations of issue 56 in it)."""
     sizes = {_module(p): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
     assert {m: n for m, n in sizes.items() if n > MAX_MODULE_LINES} == {}
     assert sum(sizes.values()) < MAX_PACKAGE_LINES, sum(sizes.values())

@@ -1,6 +1,7 @@
 """The dtypes of gradient accumulation, shared by `microbatched` and
 `MultiSteps`: the dtype a leaf accumulates in (`accumulator_dtype_for`) and
-the float32 working dtype of narrow floats (`work_dtype`, `widen`)."""
+the float32 working dtype of narrow floats (`work_dtype`, `widen`), and
+the stochastic rounding of float32 to bfloat16 (`round_stochastically`)."""
 
 from __future__ import annotations
 
