@@ -1,6 +1,5 @@
-"""A `MultiSteps` mini-step: the gradients folded into the accumulator,
-then, where the window ends, the inner optimizer on the window's
-accumulation in the step's `Form` (`update_if`)."""
+"""A `MultiSteps` mini-step: the gradients folded into the accumulator, then,
+where the window ends, the inner optimizer on it in the step's `Form`."""
 
 from __future__ import annotations
 
@@ -62,64 +61,35 @@ class MiniStep(NamedTuple):
 
 def _arrays_at(tree: PyTree, like: PyTree) -> PyTree:
     """The leaves of `tree` where `like` holds an array, `None` elsewhere."""
-    return jax.tree.map(
-        lambda x, ref: x if eqx.is_array(ref) else None, tree, like, is_leaf=is_none
-    )
+    pick = lambda x, ref: x if eqx.is_array(ref) else None
+    return jax.tree.map(pick, tree, like, is_leaf=is_none)
 
 
-class _Inner:
-    """The inner optimizer on the window's accumulation, as `update_if`
-    calls it. Its state travels with the kind's `reports` and, where a
-    window may hold nothing and the devices decide it, with whether it
-    held something (`wrap`, `unwrap`)."""
+def _inner_step(
+    window: Window, inputs: StepInputs, step: MiniStep, fused: bool, dtypes: PyTree
+) -> Callable:
+    """The inner optimizer on `(acc, (state, held, reports)[, arrays])`, each
+    output kept (updates zero) where the devices find the window held nothing."""
+    kind, devices, extra = window.accumulation, window.devices, inputs.extra_args
+    inner, fusable = window.inner, window.fusable_inner
 
-    def __init__(self, window: Window, inputs: StepInputs, step: MiniStep):
-        self.window, self.inputs, self.step = window, inputs, step
-        self.decides = window.accumulation.may_be_empty and window.devices.per_device
-        self.dtypes = jax.tree.map(lambda g: jnp.result_type(g), inputs.grads)
-
-    def wrap(self, state: PyTree, reports: dict) -> tuple:
-        return state, jnp.zeros((), jnp.bool_) if self.decides else (), reports
-
-    def unwrap(self, wrapped: tuple, ran: jax.Array) -> tuple:
-        state, flag, reports = wrapped
-        return state, flag if self.decides else ran, reports
-
-    def _run(self, acc: PyTree, wrapped: tuple, inner: Callable, old: Callable):
-        """`inner(grads, state)` on the window's gradients; where the devices
-        decide, each output selected from `old(out)` where it held nothing."""
-        w, (state, _, reports) = self.window, wrapped
-        args = (acc, reports, self.step, w.devices, self.dtypes)
-        grads, keep, new_reports = w.accumulation.finalize(*args)
-        out, new = inner(grads, state)
+    def run(acc: PyTree, wrapped: tuple, arrays: PyTree = None) -> tuple:
+        state, _, reports = wrapped
+        grads, keep, new_reports = kind.finalize(acc, reports, step, devices, dtypes)
+        if fused:
+            params = merge_trainable(inputs.params, arrays)
+            out, new = step_and_apply(fusable, grads, state, params, **extra)
+            out = _arrays_at(out, arrays)
+        else:
+            out, new = inner.update(grads, state, inputs.params, **extra)
         if keep is None:
             return out, (new, (), new_reports)
-        new, old = (out, new, new_reports), (old(out), state, reports)
-        out, new, new_reports = jax.tree.map(
-            lambda n, o: jnp.where(keep, n, o), new, old
-        )
+        pick = lambda n, o: jnp.where(keep, n, o)
+        old = (arrays if fused else jax.tree.map(jnp.zeros_like, out), state, reports)
+        out, new, new_reports = jax.tree.map(pick, (out, new, new_reports), old)
         return out, (new, keep, new_reports)
 
-    def update(self, acc: PyTree, wrapped: tuple) -> tuple[PyTree, PyTree]:
-        inputs, inner = self.inputs, self.window.inner
-
-        def run(grads: PyTree, state: PyTree) -> tuple:
-            return inner.update(grads, state, inputs.params, **inputs.extra_args)
-
-        zeros = lambda out: jax.tree.map(jnp.zeros_like, out)  # noqa: E731
-        return self._run(acc, wrapped, run, zeros)
-
-    def apply(self, acc: PyTree, wrapped: tuple, arrays: PyTree) -> tuple:
-        inputs = self.inputs
-        params = merge_trainable(inputs.params, arrays)
-
-        def run(grads: PyTree, state: PyTree) -> tuple:
-            new_params, new = step_and_apply(
-                self.window.fusable_inner, grads, state, params, **inputs.extra_args
-            )
-            return _arrays_at(new_params, arrays), new
-
-        return self._run(acc, wrapped, run, lambda out: arrays)
+    return run
 
 
 def run_window(
@@ -131,33 +101,32 @@ def run_window(
     acc: PyTree,
     inner_state: PyTree,
 ) -> tuple[PyTree, PyTree, PyTree, dict, jax.Array]:
-    """One mini-step. Returns the updates (`fused`: the new params), the
-    inner state, the new accumulator and carry, and whether the inner
-    optimizer ran."""
+    """One mini-step: the updates (`fused`: the new params), the inner state,
+    the new accumulator and carry, and whether the inner optimizer ran."""
     kind = window.accumulation
     acc, carry = kind.fold(acc, step.carry, inputs, step, window.devices)
-    inner = _Inner(window, inputs, step)
-    pred = step.window_end
-    ready = kind.ready(step)
-    if ready is not None and not inner.decides:
+    decides = kind.may_be_empty and window.devices.per_device
+    dtypes = jax.tree.map(lambda g: jnp.result_type(g), inputs.grads)
+    pred, ready = step.window_end, kind.ready(step)
+    if ready is not None and not decides:
         pred = jnp.logical_and(pred, ready)
-    params = inputs.params
     # Only the params' arrays go through the conditional.
-    arrays = _arrays_at(params, params) if fused else None
-    state_in = inner.wrap(inner_state, kind.reports(carry))
+    arrays = _arrays_at(inputs.params, inputs.params) if fused else None
+    reports = kind.reports(carry)
+    state_in = (inner_state, jnp.zeros((), jnp.bool_) if decides else (), reports)
     if form is Form.FOLD:
-        out = arrays if fused else jax.tree.map(jnp.zeros_like, params)
+        out = arrays if fused else jax.tree.map(jnp.zeros_like, inputs.params)
         state_out, ran = state_in, pred
     else:
-        run, on = (inner.apply if fused else inner.update), window.mechanisms
+        run, on = _inner_step(window, inputs, step, fused, dtypes), window.mechanisms
         out, state_out, count, (cleared,) = update_if(
             pred, run, (acc,), state_in, carry=arrays, form=form, mechanisms=on
         )
         # Cleared only where the inner optimizer reads the accumulator as stored.
-        same = jax.tree.map(lambda a, d: jnp.result_type(a) == d, acc, inner.dtypes)
+        same = jax.tree.map(lambda a, d: jnp.result_type(a) == d, acc, dtypes)
         acc = jax.tree.map(lambda c, a, s: c if s else a, cleared, acc, same)
         ran = count == 1
     if fused:
-        out = merge_trainable(params, out)
-    inner_state, emitted, reports = inner.unwrap(state_out, ran)
-    return out, inner_state, acc, {**carry, **reports}, emitted
+        out = merge_trainable(inputs.params, out)
+    inner_state, held, reports = state_out
+    return out, inner_state, acc, {**carry, **reports}, held if decides else ran

@@ -1,13 +1,10 @@
-"""The XLA mechanisms of the accumulation, in one place: each keeps one
-backend's compiler from undoing what the code writes. A `MultiSteps` holds
-its `Mechanisms`; `configured` switches them off to measure what they buy
-(docs/design.md, "Mechanisms per backend")."""
+"""XLA mechanisms that keep a backend's compiler from undoing the code, switched by
+`Mechanisms` and `configured` (docs/design.md, "Mechanisms per backend")."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +14,6 @@ from jax import lax
 from jax.extend import core as jex_core
 from jaxtyping import PyTree
 
-from .._leaves import is_typed_key
 from .._sharding import (
     aval_varying_axes,
     cast_varying,
@@ -40,29 +36,13 @@ class Mechanisms:
 
 
 def configured(opt: Any, **changes: Any) -> Any:
-    """A copy of the `MultiSteps` `opt` with `changes` to its mechanisms
-    (for benchmarks and tests), equal to `opt` only where they change
-    nothing; its last configuration key is its mechanisms."""
+    """A copy of the `MultiSteps` `opt` with `changes` to its mechanisms, and so to
+    its key: equal to `opt` only where they change nothing (benchmarks, tests)."""
     mechanisms = dataclasses.replace(opt._window.mechanisms, **changes)
     new = copy.copy(opt)
     new._window = opt._window._replace(mechanisms=mechanisms)
     new._key = (*opt._key[:-1], ConfigKey(mechanisms))
     return new
-
-
-def _first_bits(x: jax.Array) -> jax.Array | None:
-    """The bits of the first element of `x` as a uint32 scalar (of its real
-    part if complex); `None` where `x` is empty or has no bit cast."""
-    if x.size == 0 or not jnp.issubdtype(x.dtype, jnp.number):
-        return None
-    first = lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ())
-    if jnp.issubdtype(first.dtype, jnp.complexfloating):
-        first = lax.real(first)
-    width = jnp.dtype(first.dtype).itemsize * 8
-    if width not in (8, 16, 32, 64):
-        return None
-    bits = lax.bitcast_convert_type(first, jnp.dtype(f"uint{width}"))
-    return lax.convert_element_type(bits, jnp.uint32)
 
 
 def read_token(tree: PyTree) -> jax.Array | None:
@@ -71,7 +51,15 @@ def read_token(tree: PyTree) -> jax.Array | None:
     leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
     if any(varying_axes(x) or typed_sharding(x) for x in leaves):
         return None
-    bits = [b for b in map(_first_bits, leaves) if b is not None]
+    bits = []  # each first element's (its real part's), as uint32
+    for x in [y for y in leaves if y.size and jnp.issubdtype(y.dtype, jnp.number)]:
+        first = lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ())
+        if jnp.issubdtype(first.dtype, jnp.complexfloating):
+            first = lax.real(first)
+        width = jnp.dtype(first.dtype).itemsize * 8
+        if width in (8, 16, 32, 64):  # else no bit cast
+            first = lax.bitcast_convert_type(first, jnp.dtype(f"uint{width}"))
+            bits.append(lax.convert_element_type(first, jnp.uint32))
     if not bits:
         return None
     # `b | 1 != 0`: true for every value, yet not foldable by XLA.
@@ -81,8 +69,7 @@ def read_token(tree: PyTree) -> jax.Array | None:
 
 
 def _cpu_passes_through(jaxpr: Any) -> dict:
-    """Outputs of a platform choice (`lax.platform_dependent`) that XLA:CPU's
-    branch returns as they came in: each such output var to its input var."""
+    """Platform choices' outputs that XLA:CPU's branch passes through, to inputs."""
     alias = {}
     for eqn in jaxpr.eqns:
         platforms = eqn.params.get("branches_platforms") or ()
@@ -97,45 +84,31 @@ def _cpu_passes_through(jaxpr: Any) -> dict:
     return alias
 
 
-def old_value_read_first(
-    jaxpr: Any, first_state: int, n_state: int, n_updates: int
-) -> list[bool]:
-    """For each state output of the inner step's `jaxpr`, whether the
-    updates read its old value and not the new one (Lion's `mu`), as
-    XLA:CPU will run it."""
-    needed = {v for v in jaxpr.outvars[:n_updates] if isinstance(v, jex_core.Var)}
+def old_value_read_first(jaxpr: Any, old: list, n_updates: int) -> list[bool]:
+    """Per state input `old` of `jaxpr`, whether on XLA:CPU the updates read only
+    it, not the state's new value (Lion's `mu`)."""
+    var = lambda v: isinstance(v, jex_core.Var)  # not a literal
+    needed = set(filter(var, jaxpr.outvars[:n_updates]))
     for eqn in reversed(jaxpr.eqns):
         if any(v in needed for v in eqn.outvars):
-            needed |= {v for v in eqn.invars if isinstance(v, jex_core.Var)}
-    old = jaxpr.invars[first_state : first_state + n_state]
+            needed |= set(filter(var, eqn.invars))
     alias = _cpu_passes_through(jaxpr)
-    new = [
-        alias.get(n, n) if isinstance(n, jex_core.Var) else n
-        for n in jaxpr.outvars[n_updates:]
-    ]
-    return [
-        o in needed and (not isinstance(n, jex_core.Var) or n not in needed)
-        for o, n in zip(old, new, strict=True)
-    ]
+    new = [alias.get(n, n) if var(n) else n for n in jaxpr.outvars[n_updates:]]
+    only_old = lambda o, n: o in needed and not (var(n) and n in needed)
+    return [only_old(o, n) for o, n in zip(old, new, strict=True)]
 
 
 def state_after_updates(
-    leaves: list[Any], n_updates: int, to_order: list[bool], on: Mechanisms
-) -> list[Any]:
-    """On XLA:CPU, each new state array in `to_order` computed after every
-    update (or new params) leaf, so that it is written in place."""
-    at = [i for i in range(n_updates) if isinstance(leaves[i], jax.Array)]
-    ordered = [
+    leaves: list[jax.Array], n_updates: int, to_order: list[bool], on: Mechanisms
+) -> list[jax.Array]:
+    """On XLA:CPU, `to_order`'s states after all updates, to be written in place."""
+    ordered = [  # a typed key is no number
         i
-        for i in range(n_updates, len(leaves))
-        if to_order[i - n_updates]
-        and isinstance(leaves[i], jax.Array)
-        and leaves[i].size > 1
-        and not is_typed_key(leaves[i])
-        and jnp.issubdtype(leaves[i].dtype, jnp.number)
+        for i, o in enumerate(to_order, n_updates)
+        if o and leaves[i].size > 1 and jnp.issubdtype(leaves[i].dtype, jnp.number)
     ]
     unreadable = any(varying_axes(x) or typed_sharding(x) for x in leaves)
-    if not at or not ordered or unreadable or not on.state_after_updates:
+    if not n_updates or not ordered or unreadable or not on.state_after_updates:
         return leaves
 
     def after(updates, state):
@@ -145,33 +118,23 @@ def state_after_updates(
             return updates, state
         return updates, [lax.select(token, x, lax.full_like(x, 0)) for x in state]
 
-    updates, state = lax.platform_dependent(
-        [leaves[i] for i in at],
-        [leaves[i] for i in ordered],
-        cpu=after,
-        default=lambda u, s: (u, s),
-    )
-    out = list(leaves)
-    for i, x in zip([*at, *ordered], [*updates, *state], strict=True):
-        out[i] = x
-    return out
+    operands = (leaves[:n_updates], [leaves[i] for i in ordered])
+    updates, state = lax.platform_dependent(*operands, cpu=after, default=lambda *a: a)
+    new = dict(zip([*range(n_updates), *ordered], [*updates, *state], strict=True))
+    return [new.get(i, x) for i, x in enumerate(leaves)]
 
 
 def scalar_barrier(
     tree: PyTree, ran: jax.Array, on: Mechanisms
 ) -> tuple[PyTree, jax.Array]:
-    """`tree` and `ran` with `ran` and every scalar leaf of `tree` behind an
-    optimization barrier, one per set of mesh axes they vary over."""
+    """The scalars of `tree`, and `ran`, behind one barrier per set of varying axes."""
     if not on.scalar_barrier:
         return tree, ran
     leaves, treedef = jax.tree.flatten(tree)
-    scalars = [
-        i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and x.ndim == 0
-    ]
     groups: dict[frozenset, list[int]] = {}
-    for i in scalars:
-        groups.setdefault(varying_axes(leaves[i]) or frozenset(), []).append(i)
-    out = list(leaves)
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array) and x.ndim == 0:
+            groups.setdefault(varying_axes(x) or frozenset(), []).append(i)
     ran_axes = varying_axes(ran) or frozenset()
     if ran_axes not in groups:
         ran = lax.optimization_barrier(ran)
@@ -182,59 +145,47 @@ def scalar_barrier(
         else:
             values = lax.optimization_barrier(values)
         for i, x in zip(indices, values, strict=True):
-            out[i] = x
-    return jax.tree.unflatten(treedef, out), ran
+            leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves), ran
 
 
-# Leaves from this many elements get zeros of their own (`distinct_zeros`).
-DISTINCT_ZEROS_MIN_SIZE = 1 << 16
+DISTINCT_ZEROS_MIN_SIZE = 1 << 16  # from this many elements, a leaf's own zeros
 
 
 def distinct_zeros(
     avals: list[Any], seed: jax.Array | None, on: Mechanisms
 ) -> list[jax.Array]:
-    """Zeros of `avals`, each large one `float(seed + i) * 0`, which XLA
-    neither folds nor merges; plain zeros without a traced `seed`."""
-    if not on.distinct_zeros:
-        seed = None
+    """Zeros of `avals`, each large one `float(seed + i) * 0`, which XLA neither
+    folds nor merges; plain zeros without a traced `seed`."""
+    seed = seed if on.distinct_zeros else None
     out = []
     for i, aval in enumerate(avals):
         dtype = jnp.dtype(aval.dtype)
-        small = math.prod(aval.shape) < DISTINCT_ZEROS_MIN_SIZE
+        small = aval.size < DISTINCT_ZEROS_MIN_SIZE
         if seed is None or small or not jnp.issubdtype(dtype, jnp.inexact):
             zero = lax.full((), 0, dtype)
         else:
             real = jnp.finfo(dtype).dtype  # the real part's dtype for complex
             factor = lax.convert_element_type(seed + i, real)
             zero = lax.convert_element_type(factor * lax.full((), 0, real), dtype)
-        if sharded_type(aval):  # `Explicit` axes: the sharding is in the type
-            z = lax.full(aval.shape, zero, dtype, sharding=aval.sharding)
-        else:
-            z = lax.broadcast(zero, aval.shape)
-        axes = (aval_varying_axes(aval) or frozenset()) - (
-            varying_axes(z) or frozenset()
-        )
+        sharding = aval.sharding if sharded_type(aval) else None  # `Explicit` axes
+        z = lax.full(aval.shape, zero, dtype, sharding=sharding)
+        axes = (aval_varying_axes(aval) or set()) - (varying_axes(z) or set())
         out.append(cast_varying(z, tuple(sorted(axes))) if axes else z)
     return out
 
 
 def cleared(pred: jax.Array, tree: PyTree, on: Mechanisms) -> PyTree:
-    """`tree` zeroed where `pred`: the drop-in's accumulator where it runs
-    selected, as optax.MultiSteps clears it (docs/design.md, "Mechanisms
-    per backend")."""
+    """`tree` zeroed where `pred`, as optax.MultiSteps clears its accumulator."""
     if not on.clear_when_selected:
         return tree
     return jax.tree.map(lambda a: jnp.where(pred, jnp.zeros_like(a), a), tree)
 
 
 def per_platform(selected: Callable, conditional: Callable, on: Mechanisms) -> Any:
-    """`conditional()` on the platforms `on.drop_in_conditional_on` names
-    (where the drop-in keeps its conditional), `selected()` on the others,
-    chosen when the program is lowered."""
-
-    def pick(platform: str) -> Callable[[], Any]:
-        return conditional if platform in on.drop_in_conditional_on else selected
-
+    """`conditional()` on the platforms `on.drop_in_conditional_on` names,
+    `selected()` on the others, chosen when the program is lowered."""
+    pick = lambda p: conditional if p in on.drop_in_conditional_on else selected
     if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
         return pick(jax.default_backend())()
     forms = {p: pick(p) for p in ("cpu", "cuda", "rocm", "tpu")}
