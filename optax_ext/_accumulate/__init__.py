@@ -1,4 +1,3 @@
-"""The accumulation core: the arithmetic of a running mean (`arithmetic`),
-the device view of the state (`devices`), the one conditional that runs an
-inner optimizer on some steps only (`branch`) and a `MultiSteps` mini-step
-built on them (`window`)."""
+"""The accumulation core: `MultiSteps`' kinds (`accumulations`), the folds it
+shares with `microbatched` (`accumulator`, `arithmetic`), `devices`, `window`,
+`branch` (an inner optimizer on some steps only) and XLA's mechanisms (`xla`)."""

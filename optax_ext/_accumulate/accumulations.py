@@ -50,8 +50,7 @@ _MSG_WEIGHT_HELD = (
 )
 _MSG_FIELDS = (
     "{}'s `{}` has no {}: got {}, not the state this MultiSteps' init returns "
-    "(optax.MultiStepsState's fields, then {}). Build the state with this "
-    "MultiSteps' init."
+    "(optax.MultiStepsState's fields, then {}). Build it with this init."
 )
 _MSG_OTHER_KIND = (
     "{} got a {} with the fields {} after optax's, from the init of a MultiSteps "
@@ -64,9 +63,8 @@ _MSG_AS_OPTAX = (
     "weighted state goes on only in optax_ext.MultiSteps(..., weighted=True)."
 )
 _MSG_NOT_NOISE = (
-    "optax_ext.gradient_noise_scale needs the state of a "
-    "MultiSteps(..., noise_scale=True), got {}. Build the MultiSteps with "
-    "noise_scale=True and pass its whole state (not its inner_opt_state)."
+    "optax_ext.gradient_noise_scale needs the state of a MultiSteps(..., "
+    "noise_scale=True), got {}: pass its whole state, not its inner_opt_state."
 )
 
 
@@ -130,8 +128,7 @@ class Plain:
         return dict(zip(state._fields[len(OPTAX_FIELDS) :], state[5:], strict=True))
 
     def check(self, state: Any, weight: Any, names: tuple) -> Any:
-        """A step's `weight=` and the kind of its `state`, checked (`names`:
-        the call's and its state argument's); the weight."""
+        """The step's `weight=`, checked with its state's kind (`names`: the call's)."""
         who, state_arg = names
         if weight is not NO_WEIGHT:
             raise TypeError(_MSG_UNWEIGHTED.format(who, describe_value(weight)))
@@ -146,13 +143,11 @@ class Plain:
             got, ends = describe_value(state), ", ".join(want)
             raise TypeError(_MSG_FIELDS.format(*names, missing[0], got, ends))
         if have != want:
-            ends = want[-1] if want else "skip_state"
-            got = type(state).__name__
+            got, ends = type(state).__name__, want[-1] if want else "skip_state"
             raise TypeError(_MSG_OTHER_KIND.format(names[0], got, list(have), ends))
 
     def begin(self, carry: dict, weight: Any, mini_step: jax.Array) -> Any:
         """This mini-step's `Weights` (`None`: it counts as one)."""
-        return None
 
     def fold(
         self, acc: PyTree, carry: dict, inputs: Any, step: Any, devices: Any
@@ -173,8 +168,7 @@ class Plain:
         return acc, carry
 
     def ready(self, step: Any) -> jax.Array | None:
-        """Whether this device's window holds something to apply."""
-        return None
+        """Whether this device's window holds something to apply (`None`: it does)."""
 
     def reports(self, carry: dict) -> dict:
         """The fields `finalize` writes (with the window's end, in its branch)."""
@@ -183,9 +177,8 @@ class Plain:
     def finalize(
         self, acc: PyTree, reports: dict, step: Any, devices: Any, dtypes: PyTree
     ) -> tuple[PyTree, jax.Array | None, dict]:
-        """The window's gradients, in `dtypes`, over every device; per
-        device, whether they are to be applied (`None`: they are); and the
-        `reports` after the window."""
+        """The window's gradients over every device, in `dtypes`; whether this
+        device applies them (`None`: it does); the `reports` after the window."""
         total = None if step.weights is None else step.weights.total
         value, keep = devices.finish(acc, self.arithmetic, total, dtypes)
         for p in self.parts:
@@ -237,7 +230,6 @@ class Weighted(Plain):
                 f"{weighted_who}'s `{state_arg}.acc_weight` must be a "
                 f"float scalar (as init builds it), got {describe_value(value)}."
             )
-        dtype = jnp.result_type(value)
         tiny, largest = float(jnp.finfo(dtype).tiny), float(jnp.finfo(dtype).max)
         if known is not None and (0 < known < tiny or known > largest):
             held = (who, known, np.dtype(dtype), tiny, largest)
@@ -301,10 +293,8 @@ class NoiseScale:
         w = jnp.ones((), jnp.float32) if weight is None else jnp.float32(weight)
         counts = jnp.logical_and(jnp.logical_not(step.should_skip), w > 0)
         terms = (w * _squares(grads), w, jnp.ones((), jnp.float32))
-        sums = []
-        for old, term in zip(c[:3], terms, strict=True):
-            base = jnp.where(step.index == 0, jnp.zeros_like(old), old)
-            sums.append(jnp.where(counts, base + term, base))
+        bases = [jnp.where(step.index == 0, jnp.zeros_like(x), x) for x in c[:3]]
+        sums = [jnp.where(counts, b + t, b) for b, t in zip(bases, terms, strict=True)]
         return NoiseScaleState(*sums, c.squared_norm, c.trace)
 
     def finalize(self, c: Any, value: PyTree, arithmetic: Any, devices: Any) -> Any:
@@ -330,13 +320,11 @@ def gradient_noise_scale(state: Any) -> tuple[jax.Array, jax.Array]:
 
     **Returns:**
 
-    `(squared_norm, trace)`, float32 scalars: unbiased estimates of
-    `|G|^2`, the true gradient's squared norm, and of `tr(Sigma)`, the
-    trace of one micro-batch gradient's covariance (of a unit of weight,
-    weighted), over every device (McCandlish et al. 2018, appendix A).
-    NaN before a window of two micro-batches or more. `trace /
-    squared_norm` is `B_simple`, in micro-batches (units of weight); it is
-    noisy: smooth both (`docs/multi_steps.md`, "The gradient noise scale").
+    `(squared_norm, trace)`, float32 scalars: unbiased estimates of `|G|^2`
+    and of the trace of one micro-batch gradient's covariance (of a unit of
+    weight, weighted), over every device (McCandlish et al. 2018, appendix
+    A); NaN before a window of two micro-batches. `trace / squared_norm` is
+    `B_simple`; smooth both first (`docs/multi_steps.md`).
     """
     carry = getattr(state, "noise_scale", None)
     if not isinstance(carry, NoiseScaleState):

@@ -173,11 +173,8 @@ class PerDeviceState(SingleDeviceState):
         kinds = [accumulator] * len(leaves)
         mine = [a[0] for a in leaves]
         values, total = reduce_across(kinds, mine, weight, self.axis_name)
-        wide = [
-            a.dtype if holds(a.dtype, d) else d
-            for a, d in zip(leaves, jax.tree.leaves(dtypes), strict=True)
-        ]
-        values = [v.astype(d) for v, d in zip(values, wide, strict=True)]
+        pairs = zip(values, leaves, jax.tree.leaves(dtypes), strict=True)
+        values = [v.astype(a.dtype if holds(a.dtype, d) else d) for v, a, d in pairs]
         keep = None if total is None else total > 0
         return jax.tree.unflatten(treedef, values), keep
 
