@@ -153,11 +153,11 @@ class Plain:
         self, acc: PyTree, carry: dict, inputs: Any, step: Any, devices: Any
     ) -> tuple[PyTree, dict]:
         """`acc` and the carry with this mini-step folded in (kept if skipped)."""
-        leaf, fold = itertools.count(), self.arithmetic.fold
+        leaf, fold, on = itertools.count(), self.arithmetic.fold, self.stochastic
+        at = (step.gradient_step, step.index, devices.index()) if on else None
 
         def one(g: jax.Array, a: jax.Array) -> jax.Array:
-            at = (step.gradient_step, step.index, devices.index(), next(leaf))
-            key = seed(*at) if self.stochastic else None
+            key = None if at is None else seed(*at, next(leaf))
             new = fold(g, a, step.index, step.weights, key)
             return lax.select(step.should_skip, a, new)
 
