@@ -303,7 +303,8 @@ def compile_train_step(
 def temp_ratio(backend, model, inner, dtype, form, accumulator="float32"):
     """The step's temporary memory over the params' bytes; optax_ext's
     forms accumulate in `accumulator` (`"gradients"`: the gradients' own
-    dtype, `accumulator_dtype=None`)."""
+    dtype, `accumulator_dtype=None`; `"stochastic"`: bfloat16, rounded
+    stochastically)."""
     params, loss, batch = MODELS[model](jnp.dtype(dtype))
     make, extra_args = INNER[inner]
     tx = make()
@@ -313,8 +314,16 @@ def temp_ratio(backend, model, inner, dtype, form, accumulator="float32"):
     elif form == "optax":
         opt, extra = optax.MultiSteps(tx, K), [k for k in extra_args if k != "weight"]
     else:
-        acc = None if accumulator == "gradients" else jnp.dtype(accumulator)
-        opt = optax_ext.MultiSteps(tx, K, weighted=weighted, accumulator_dtype=acc)
+        stochastic = accumulator == "stochastic"
+        named = {"gradients": None, "stochastic": jnp.dtype(jnp.bfloat16)}
+        acc = named[accumulator] if accumulator in named else jnp.dtype(accumulator)
+        opt = optax_ext.MultiSteps(
+            tx,
+            K,
+            weighted=weighted,
+            accumulator_dtype=acc,
+            stochastic_rounding=stochastic,
+        )
         extra = list(extra_args)
     scalars = [jnp.bool_(True) if k == "skip" else jnp.float32(3.0) for k in extra]
     state = jax.eval_shape(opt.init, params)
@@ -392,6 +401,27 @@ def test_bfloat16_accumulator_keeps_every_form_within_the_bound(backend, inner, 
     optax_ = temp_ratio(*case, "optax")
     bare = temp_ratio(*case, "bare")
     _assert_within_bound(form, got, optax_, bare)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(backend, marks=pytest.mark.xdist_group("ts-mlp-adamw-bfloat16"))
+        for backend in BACKENDS
+        if backend in ("cpu", "gpu") or FULL
+    ],
+)
+def test_stochastic_rounding_needs_no_more_memory_than_optax(backend, form):
+    """bfloat16 params, a bfloat16 accumulator rounded stochastically: every
+    form within optax.MultiSteps' own figure + 2% of the params. On the
+    H200 this closes the fused step's open case (1.004x with the float32
+    accumulator; benchmarks/results/stochastic_rounding.md)."""
+    _skip_unless(backend)
+    case = (backend, "mlp", "adamw", "bfloat16")
+    got = temp_ratio(*case, form, accumulator="stochastic")
+    optax_ = temp_ratio(*case, "optax")
+    assert got <= optax_ + SLACK, (form, got, optax_)
 
 
 # XLA:TPU (libtpu of jax 0.11.2) on a decoder with per-head attention
