@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, PyTree
 
+from . import _multi_steps_checks as checks
 from ._accumulate.accumulations import OPTAX_FIELDS, NoiseScale, Plain, State, Weighted
 from ._accumulate.arithmetic import check_accumulator_dtype, zero_accumulator
 from ._accumulate.branch import choose_form
@@ -20,16 +21,6 @@ from ._accumulate.devices import device_state
 from ._accumulate.window import MiniStep, StepInputs, Window, run_window
 from ._accumulate.xla import Mechanisms
 from ._leaves import accumulated, restore_none
-from ._multi_steps_checks import (
-    check_bool,
-    check_k,
-    check_skip_fn,
-    check_state,
-    check_stochastic_rounding,
-    prepare_step,
-    skip_decision,
-    validate_every_k,
-)
 from ._records import strong_as_recorded, traced_state_record
 from ._sharding import mirror_param_sharding
 from ._static import Configured, config_key
@@ -51,16 +42,12 @@ def _counters(step: MiniStep, emitted: jax.Array) -> tuple[jax.Array, jax.Array]
 
 
 def _as_optax_holds_it(state: Any) -> Any:
-    """`state` and every `MultiSteps` state nested in its inner state with
-    `acc_grads` zeros where its window has just ended (`mini_step == 0`)."""
+    """`state`, nested `MultiSteps` states too, `acc_grads` zero at `mini_step` 0."""
     new = jnp.asarray(state.mini_step) == 0
     acc = jax.tree.map(lambda a: jnp.where(new, jnp.zeros_like(a), a), state.acc_grads)
     nested = lambda s: getattr(s, "_fields", ())[:5] == OPTAX_FIELDS
-    inner = jax.tree.map(
-        lambda s: _as_optax_holds_it(s) if nested(s) else s,
-        state.inner_opt_state,
-        is_leaf=nested,
-    )
+    fix = lambda s: _as_optax_holds_it(s) if nested(s) else s
+    inner = jax.tree.map(fix, state.inner_opt_state, is_leaf=nested)
     return state._replace(acc_grads=acc, inner_opt_state=inner)
 
 
@@ -134,15 +121,14 @@ class MultiSteps(Configured):
     ):
         check_transformation(opt, "opt")
         mean = "use_grad_mean must be True (the gradients averaged) or False (summed)"
-        use_grad_mean = check_bool(use_grad_mean, mean)
-        weighted = check_bool(weighted, "weighted must be True or False")
-        accumulator_dtype = check_accumulator_dtype(accumulator_dtype, complex_ok=True)
-        stochastic = check_stochastic_rounding(stochastic_rounding, accumulator_dtype)
-        noise = check_bool(noise_scale, "noise_scale must be True or False")
+        use_grad_mean = checks.check_bool(use_grad_mean, mean)
+        weighted = checks.check_bool(weighted, "weighted must be True or False")
+        dtype = check_accumulator_dtype(accumulator_dtype, complex_ok=True)
+        stochastic = checks.check_stochastic_rounding(stochastic_rounding, dtype)
+        noise = checks.check_bool(noise_scale, "noise_scale must be True or False")
         on = Mechanisms()  # last in the key: `xla.configured` changes it
-        given = (every_k_schedule, use_grad_mean, should_skip_update_fn)
-        options = (accumulator_dtype, axis_name, weighted, stochastic, noise)
-        self._key = config_key(opt, *given, *options, on)
+        given = (opt, every_k_schedule, use_grad_mean, should_skip_update_fn, dtype)
+        self._key = config_key(*given, axis_name, weighted, stochastic, noise, on)
         parts = (NoiseScale(),) if noise else ()
         kind = (Weighted if weighted else Plain)(use_grad_mean, parts, stochastic)
         self._window = Window(
@@ -152,10 +138,10 @@ class MultiSteps(Configured):
             fusable_inner=opt,
             devices=device_state(axis_name),
             accumulation=kind,
-            accumulator_dtype=accumulator_dtype,
+            accumulator_dtype=dtype,
             inner_structures={},
-            every_k_schedule=validate_every_k(every_k_schedule),
-            should_skip_update_fn=check_skip_fn(should_skip_update_fn),
+            every_k_schedule=checks.validate_every_k(every_k_schedule),
+            should_skip_update_fn=checks.check_skip_fn(should_skip_update_fn),
             mechanisms=on,
         )
         self._devices, self._accumulation = self._window.devices, kind
@@ -172,27 +158,21 @@ class MultiSteps(Configured):
         params = accumulated(params)
         self._devices.check_bound("init")
         w, zero = self._window, lambda: jnp.zeros((), jnp.int32)
-        stochastic = w.accumulation.stochastic
-        acc_grads = zero_accumulator(params, w.accumulator_dtype, stochastic)
+        acc = zero_accumulator(params, w.accumulator_dtype, w.accumulation.stochastic)
         inner_state = w.inner.init(params)
         traced_state_record(w.inner.init, params, w.inner_structures, is_params=True)
         zeros = jax.tree.map(jnp.zeros_like, params)
-        skip_state = skip_decision(w.should_skip_update_fn, zeros, zero(), params)[1]
-        fields = (zero(), zero(), inner_state, acc_grads, skip_state)
+        skip = checks.skip_decision(w.should_skip_update_fn, zeros, zero(), params)[1]
+        fields = (zero(), zero(), inner_state, acc, skip)
         state = mirror_param_sharding(optax.MultiStepsState(*fields), params)
-        state = state._replace(
-            acc_grads=w.devices.add_axis(state.acc_grads),
-            skip_state=w.devices.add_axis(state.skip_state),
-        )
-        carry = w.accumulation.init(acc_grads, w.devices)
-        return w.accumulation.state(tuple(state), carry)
+        fields = (*state[:3], *map(w.devices.add_axis, state[3:]))  # acc, skip
+        return w.accumulation.state(fields, w.accumulation.init(acc, w.devices))
 
     def state_specs(self) -> State:
         """`PartitionSpec`s of the state (a prefix of its tree) for
         `jax.shard_map`: `P()`, but `P(axis_name)` for `acc_grads` and
         `skip_state` (and a weighted state's `acc_weight`) with `axis_name`."""
-        same: Any = jax.sharding.PartitionSpec()
-        own = self._devices.spec()
+        same, own = jax.sharding.PartitionSpec(), self._devices.spec()
         carry = jax.eval_shape(lambda: self._accumulation.init((), self._devices))
         carry = jax.tree.map(lambda _: own, carry)
         return self._accumulation.state((same, same, same, own, own), carry)
@@ -218,7 +198,7 @@ class MultiSteps(Configured):
         emit: bool | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Params, State]:
-        """`update` and `optax.apply_updates`, fused (`optax_ext.apply_gradients`)."""
+        """`update` and `optax.apply_updates` fused (`optax_ext.apply_gradients`)."""
         return self._step(grads, state, params, extra_args, fused=True, emit=emit)
 
     def _step(
@@ -226,20 +206,18 @@ class MultiSteps(Configured):
         grads: PyTree,
         state: State,
         params: PyTree | None,
-        extra_args: dict[str, Any],
+        extra: dict[str, Any],
         *,
         fused: bool,
         emit: bool | None = None,
     ) -> tuple[PyTree, State]:
         """`update` (`fused=False`) or `_apply_gradients`."""
         method = "apply_gradients" if fused else "update"
-        inputs = prepare_step(self._window, grads, state, params, extra_args, method)
+        inputs = checks.prepare_step(self._window, grads, state, params, extra, method)
         step = self._decide(inputs, state, emit)
         form = choose_form(fused, emit, self._devices.per_device)
-        args = (step, inputs, state.acc_grads, state.inner_opt_state)
-        out, inner_state, acc, carry, emitted = run_window(
-            self._window, form, fused, *args
-        )
+        args = (self._window, form, fused, step, inputs, state.acc_grads)
+        out, inner_state, acc, carry, emitted = run_window(*args, state.inner_opt_state)
         out = merge_trainable(params, out) if fused else restore_none(grads, out)
         inner_state = strong_as_recorded(inner_state, inputs.record)
         skip_state = self._devices.add_axis(inputs.skip_state)
@@ -253,9 +231,8 @@ class MultiSteps(Configured):
         carry = self._accumulation.carry(state)
         weights = self._accumulation.begin(carry, inputs.weight, mini_step)
         ends = _window_complete(mini_step, inputs.k) if emit is None else emit
-        skip = inputs.should_skip
+        skip, gradient_step = inputs.should_skip, jnp.asarray(state.gradient_step)
         window_end = jnp.logical_and(jnp.logical_not(skip), ends)
-        gradient_step = jnp.asarray(state.gradient_step)
         return MiniStep(window_end, skip, mini_step, gradient_step, weights, carry)
 
     def optax_state(self, state: State) -> State:
@@ -265,17 +242,16 @@ class MultiSteps(Configured):
         its length (`emit=False`) is refused where the counters are known,
         and a weighted state always (optax would drop its `acc_weight`).
         Example: `docs/multi_steps.md`, "State"."""
-        check_state(state, "optax_state")
+        checks.check_state(state, "optax_state")
         state = self._accumulation.as_optax(state)
         mini, k = self._host_window(state) or (0, 0)  # traced: not refused
         k = float(k)
         if k >= 1 and mini >= math.ceil(k):
             raise ValueError(
                 f"MultiSteps.optax_state: the state's window holds {mini} mini-steps, "
-                f"not closed at its length {k:g} (held open by "
-                "`apply_gradients(..., emit=False)`). optax.MultiSteps emits only at "
-                "mini-step k - 1, so it would never close this window. Close it "
-                "first: one more step with `emit=True`, or without `emit`."
+                f"not closed at its length {k:g} (held open by `emit=False`); optax "
+                "emits only at mini-step k - 1, so would never close it. Close it "
+                "first: one more step with `emit=True` or without `emit`."
             )
         return _as_optax_holds_it(state)
 
@@ -285,34 +261,31 @@ class MultiSteps(Configured):
         (it reads the counters off the device). After a resume, start the
         loop's count from `int(state.mini_step)`. Example:
         `docs/multi_steps.md`, "The fused train step"."""
-        check_state(state, "emits_next")
+        checks.check_state(state, "emits_next")
         known = self._host_window(state)
         if known is None:
             raise TypeError(
-                "MultiSteps.emits_next reads the state's counters on the host; "
-                "call it outside jax.jit (it got traced counters)."
+                "MultiSteps.emits_next got traced counters: call it outside jax.jit."
             )
         return bool(_window_complete(jnp.asarray(known[0]), known[1]))
 
     def _host_window(self, state: State) -> tuple[int, jax.Array] | None:
-        """The state's `mini_step` and its window's length, read on the host
-        and checked as `update` checks them; `None` where traced."""
+        """`mini_step` and its window's `k`, on the host, checked (`None`: traced)."""
         counters = (state.mini_step, state.gradient_step)
         if any(isinstance(c, jax.core.Tracer) for c in counters):
             return None
         mini, gradient = (int(c) for c in jax.device_get(counters))
         step = jnp.asarray(gradient, jnp.int32)
         k = self._window.every_k_schedule(step)
-        return mini, k if isinstance(k, jax.Array) else check_k(k, step)
+        return mini, k if isinstance(k, jax.Array) else checks.check_k(k, step)
 
     def has_updated(self, state: State) -> Bool[Array, ""]:
         """`True` when the last *accepted* mini-step completed a window
         (`mini_step == 0 and gradient_step > 0`, as in optax: still `True`
         after a skipped step that follows; `state.skip_state` tells)."""
-        check_state(state, "has_updated", counters=False)
-        return jnp.logical_and(
-            jnp.asarray(state.mini_step) == 0, jnp.asarray(state.gradient_step) > 0
-        )
+        checks.check_state(state, "has_updated", counters=False)
+        new = jnp.asarray(state.mini_step) == 0
+        return jnp.logical_and(new, jnp.asarray(state.gradient_step) > 0)
 
     def gradient_transformation(self) -> optax.GradientTransformationExtraArgs:
         """This optimizer as a plain `optax.GradientTransformationExtraArgs`."""

@@ -10,13 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
+from ._accumulate import arithmetic
 from ._accumulate.accumulations import NO_WEIGHT, OPTAX_FIELDS, UNREAD
-from ._accumulate.arithmetic import (
-    PROMOTION_ERROR,
-    holds,
-    least_holding,
-    rounds_stochastically,
-)
 from ._accumulate.window import StepInputs, Window
 from ._leaves import accumulated, zeros_where_undifferentiated
 from ._records import check_state_structure
@@ -26,25 +21,14 @@ INT32_MAX = int(jnp.iinfo(jnp.int32).max)
 _ACC = "the accumulated gradients in the state"
 _NUMERIC = (jnp.integer, jnp.floating, jnp.bool_)
 _HINT_DICT = (
-    "It is a dict of the state's fields, as a checkpoint restored without a target "
-    "comes back: restore into `jax.eval_shape(opt.init, params)` (or the state init "
-    "returns), so that its types come back too."
+    "It is a dict of the state's fields, as a checkpoint restored without a target: "
+    "restore into `jax.eval_shape(opt.init, params)` (or init's state) for its types."
 )
-_HINT_STATE = (
-    "Pass the whole MultiSteps state (not its inner_opt_state, nor another "
-    "optimizer's state)."
-)
+_HINT_STATE = "Pass the whole MultiSteps state, not its inner_opt_state nor another's."
 _HINT_PARAMS = (
-    "pass the params (or the Equinox model) this MultiSteps's init was given, "
-    "or params of the same tree and shapes."
+    "Pass the params (or Equinox model) this MultiSteps's init was given, or params "
+    "of the same tree and shapes."
 )
-
-
-def _caller(method: str) -> tuple[str, str]:
-    """How the user called `method`, and its state argument's name."""
-    if method == "apply_gradients":
-        return "optax_ext.apply_gradients", "opt_state"
-    return f"MultiSteps.{method}", "state"
 
 
 def prepare_step(
@@ -55,17 +39,18 @@ def prepare_step(
     extra_args: dict[str, Any],
     method: str,
 ) -> StepInputs:
-    """The inputs of a `MultiSteps` step, checked."""
-    devices, (who, state_arg) = config.devices, _caller(method)
+    """The inputs of a `MultiSteps` step, checked (`weight=` off `extra_args`)."""
+    devices = config.devices
     devices.check_bound(method)
-    extra_args = dict(extra_args)
+    who, state_arg = check_state(state, method)
     weight = extra_args.pop("weight", NO_WEIGHT)
-    check_state(state, method)
     weight = config.accumulation.check(state, weight, (who, state_arg))
     acc = devices.drop_axis(state.acc_grads)
     if params is not None:
         params = accumulated(params)
-        _check_params(params, acc)
+        names = dict(expected_name=_ACC, got_name="the params", hint=_HINT_PARAMS)
+        check_same_structure(acc, params, **names)
+        check_same_shapes(acc, params, **names)
     given, grads = grads, zeros_where_undifferentiated(grads, params)
     _check_gradients(grads, acc, config)
     record = check_state_structure(
@@ -85,9 +70,12 @@ def prepare_step(
     return StepInputs(grads, params, weight, k, record, extra_args, skip, skip_state)
 
 
-def check_state(state: Any, method: str, *, counters: bool = True) -> None:
-    """Checks `state`'s fields and counters (a step's: arrays)."""
-    who, state_arg = _caller(method)
+def check_state(state: Any, method: str, *, counters: bool = True) -> tuple[str, str]:
+    """Checks `state`'s fields and counters (a step's: arrays); returns how the
+    user called `method` and its state argument's name."""
+    who, state_arg = f"MultiSteps.{method}", "state"
+    if method == "apply_gradients":
+        who, state_arg = "optax_ext.apply_gradients", "opt_state"
     missing = [f for f in OPTAX_FIELDS if not hasattr(state, f)]
     if missing:
         as_dict = isinstance(state, dict) and set(OPTAX_FIELDS) <= set(state)
@@ -111,6 +99,7 @@ def check_state(state: Any, method: str, *, counters: bool = True) -> None:
                 f"{who}'s `{state_arg}.{name}` must be a scalar integer "
                 f"{what}, got {describe_value(value)}."
             )
+    return who, state_arg
 
 
 def check_bool(value: Any, must: str) -> bool:
@@ -136,16 +125,12 @@ def validate_every_k(every_k: Any) -> Callable[[jax.Array], Any]:
     if callable(every_k):
         return every_k
     k = int(every_k) if isinstance(every_k, bool) else as_index(every_k)
-    if k is None:
-        raise TypeError(
-            "every_k_schedule must be a positive int or a function of the gradient "
-            f"step returning one, got {every_k!r} of type {type(every_k).__name__}."
-        )
-    if not 1 <= k <= INT32_MAX:
-        raise ValueError(
-            f"every_k_schedule must be an int from 1 to 2**31 - 1, got {every_k!r}: "
-            "it is the number of mini-steps accumulated per update, counted in the "
-            "state's int32 mini_step."
+    if k is None or not 1 <= k <= INT32_MAX:
+        raise (TypeError if k is None else ValueError)(
+            f"every_k_schedule must be an int from 1 to 2**31 - 1, got {every_k!r} "
+            f"of type {type(every_k).__name__}: the number of mini-steps per update "
+            "(the state counts them in int32), or a function of the gradient step "
+            "returning one."
         )
     return lambda _: k
 
@@ -219,47 +204,36 @@ def skip_decision(
     return should_skip, skip_state
 
 
-def _check_params(params: PyTree, acc: PyTree) -> None:
-    """Raises where the params do not fit the accumulator."""
-    names = dict(expected_name=_ACC, got_name="the params")
-    hint = _HINT_PARAMS[0].upper() + _HINT_PARAMS[1:]
-    check_same_structure(acc, params, **names, hint=hint)
-    check_same_shapes(acc, params, **names, hint=_HINT_PARAMS)
-
-
 def _check_gradients(grads: PyTree, acc: PyTree, config: Window) -> None:
     """Raises where the gradients do not fit the accumulator."""
     names = dict(expected_name=_ACC, got_name="the updates")
     check_same_structure(acc, grads, **names)
-    hint = "the gradients must have the shapes of the params."
-    check_same_shapes(acc, grads, **names, hint=hint)
+    check_same_shapes(acc, grads, **names, hint="they must have the params' shapes.")
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    stochastic = config.accumulation.stochastic
     for (path, g), a in zip(flat, jax.tree.leaves(acc), strict=True):
         where = jax.tree_util.keystr(path)
         if getattr(g, "dtype", None) == jax.dtypes.float0:
             raise TypeError(
-                f"MultiSteps: the gradient at {where} has dtype float0, which "
-                "`jax.grad(..., allow_int=True)` gives an integer param: nothing to "
-                "accumulate or apply (optax's optimizers and `apply_updates` refuse "
-                "it too). Pass None there, as `eqx.filter_grad` does, or leave the "
-                "integer params out of the differentiated tree."
+                f"MultiSteps: the gradient at {where} has dtype float0 (`jax.grad("
+                "..., allow_int=True)` of an integer param): nothing to accumulate "
+                "or apply, as in optax. Pass None there (as `eqx.filter_grad` does) "
+                "or leave integer params out of the differentiated tree."
             )
         g_dtype = jnp.result_type(g)
         try:
             held = jnp.result_type(g, a.dtype) == a.dtype
-        except PROMOTION_ERROR:
-            held = holds(a.dtype, g_dtype)
-        if held or config.accumulation.stochastic and rounds_stochastically(g_dtype):
+        except arithmetic.PROMOTION_ERROR:
+            held = arithmetic.holds(a.dtype, g_dtype)
+        if held or stochastic and arithmetic.rounds_stochastically(g_dtype):
             continue
-        least = least_holding(g_dtype, a.dtype)
+        least = arithmetic.least_holding(g_dtype, a.dtype)
         wide = f"a dtype holding {g_dtype}" if least is None else f"jnp.{least}"
         raise TypeError(
             f"MultiSteps: the gradient at {where or 'the root'} has dtype {g_dtype}, "
-            f"but its accumulator in the state (acc_grads{where}) has dtype "
-            f"{a.dtype}, which does not hold every {g_dtype} value: accumulating would "
-            f"round every gradient to {a.dtype}. init fixes the accumulator's dtype: "
-            "the least dtype holding the params' dtype and accumulator_dtype (here "
+            f"but its accumulator (acc_grads{where}) has dtype {a.dtype}, which does "
+            f"not hold every {g_dtype} value: accumulating would round them. init "
+            "chose the least dtype holding the params' and accumulator_dtype (here "
             f"accumulator_dtype={config.accumulator_dtype}). Build MultiSteps with "
-            f"accumulator_dtype={wide} and init it again, or pass gradients of dtype "
-            f"{a.dtype}."
+            f"accumulator_dtype={wide} and init again, or pass {a.dtype} gradients."
         )
