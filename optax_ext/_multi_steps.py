@@ -33,14 +33,6 @@ def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
     return jnp.logical_and(k > 0, mini_step + 1 >= k)
 
 
-def _counters(step: MiniStep, emitted: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The counters after `step`, moved by selection and saturating."""
-    n, gradient = step.index, step.gradient_step
-    count = jnp.where(step.should_skip, n, saturating_increment(n))
-    mini = jnp.where(step.window_end, 0, count).astype(n.dtype)
-    return mini, jnp.where(emitted, saturating_increment(gradient), gradient)
-
-
 def _as_optax_holds_it(state: Any) -> Any:
     """`state`, nested `MultiSteps` states too, `acc_grads` zero at `mini_step` 0."""
     new = jnp.asarray(state.mini_step) == 0
@@ -54,25 +46,24 @@ def _as_optax_holds_it(state: Any) -> Any:
 class MultiSteps(Configured):
     """Accumulates gradients over several mini-steps, then applies `opt` once.
 
-    A drop-in for `optax.MultiSteps`: the same constructor, methods (extra
-    keyword arguments such as `value=` go to the inner optimizer) and state,
-    so a checkpoint moves between the two (to optax through `optax_state`).
-    The mini-step completing a window of `k = every_k_schedule(gradient_step)`
-    accepted mini-steps returns the inner optimizer's updates on the window's
-    mean (or sum); every other returns exact zeros. Beyond optax: the inner
-    state keeps every leaf's dtype, shape and weak type; no NaN or `inf`
-    crosses a window; no gradient is rounded into a narrower accumulator (a
-    `TypeError` instead); `params` may be an Equinox model. Equal arguments
-    build equal `MultiSteps` (a static argument of `jax.jit` compiles once).
-    The full contract: `docs/multi_steps.md`.
+    A drop-in for `optax.MultiSteps`: the same constructor, methods (extra keyword
+    arguments such as `value=` go to the inner optimizer) and state, so a checkpoint
+    moves between the two (to optax through `optax_state`). The mini-step completing
+    a window of `k = every_k_schedule(gradient_step)` accepted mini-steps returns the
+    inner optimizer's updates on the window's mean (or sum), every other exact zeros.
+    Beyond optax: the inner state keeps every leaf's dtype, shape and weak type; no
+    NaN or `inf` crosses a window; no gradient is rounded into a narrower accumulator
+    (a `TypeError` instead); `params` may be an Equinox model. Equal arguments build
+    equal `MultiSteps` (a static `jax.jit` argument compiles once). The full
+    contract: `docs/multi_steps.md`.
 
     **Arguments:**
 
     - `opt`: the inner optimizer, an `optax.GradientTransformation`.
-    - `every_k_schedule`: an int from 1 to `2**31 - 1` (a bool as its int),
-      or a function from the gradient step (int32) to that window's number
-      of mini-steps. A traced non-integer `k` closes the window at
-      `ceil(k)`; a traced `k <= 0` never closes it (as in optax).
+    - `every_k_schedule`: an int from 1 to `2**31 - 1` (a bool as its int), or a
+      function from the gradient step (int32) to that window's number of mini-steps.
+      A traced non-integer `k` closes it at `ceil(k)`, a traced `k <= 0` never (as
+      in optax).
     - `use_grad_mean`: average the window's gradients if `True`, else sum them.
     - `should_skip_update_fn`: as in optax, `(updates, gradient_step, params)
       -> (should_skip, skip_state)`, `should_skip` a scalar bool; a skipped
@@ -131,20 +122,13 @@ class MultiSteps(Configured):
         self._key = config_key(*given, axis_name, weighted, stochastic, noise, on)
         parts = (NoiseScale(),) if noise else ()
         kind = (Weighted if weighted else Plain)(use_grad_mean, parts, stochastic)
-        self._window = Window(
-            inner=with_extra_args(opt),
-            # As given too: `apply_gradients` fuses through a nested
-            # MultiSteps or skip_when, which `with_extra_args` would hide.
-            fusable_inner=opt,
-            devices=device_state(axis_name),
-            accumulation=kind,
-            accumulator_dtype=dtype,
-            inner_structures={},
-            every_k_schedule=checks.validate_every_k(every_k_schedule),
-            should_skip_update_fn=checks.check_skip_fn(should_skip_update_fn),
-            mechanisms=on,
-        )
-        self._devices, self._accumulation = self._window.devices, kind
+        every_k = checks.validate_every_k(every_k_schedule)
+        skip_fn = checks.check_skip_fn(should_skip_update_fn)
+        # The inner optimizer wrapped and as given: `apply_gradients` fuses
+        # through a nested MultiSteps or skip_when, which the wrapper would hide.
+        inner, devices = (with_extra_args(opt), opt), device_state(axis_name)
+        self._window = Window(*inner, devices, kind, dtype, {}, every_k, skip_fn, on)
+        self._devices, self._accumulation = devices, kind
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
@@ -187,7 +171,7 @@ class MultiSteps(Configured):
         """Accumulates `updates`; returns the inner optimizer's updates on the
         last mini-step of a window and zeros otherwise. With `weighted=True`,
         pass `weight=` (not forwarded to the inner optimizer)."""
-        return self._step(updates, state, params, extra_args, fused=False)
+        return self._step(updates, state, params, extra_args, fused=False, emit=None)
 
     def _apply_gradients(
         self,
@@ -202,16 +186,9 @@ class MultiSteps(Configured):
         return self._step(grads, state, params, extra_args, fused=True, emit=emit)
 
     def _step(
-        self,
-        grads: PyTree,
-        state: State,
-        params: PyTree | None,
-        extra: dict[str, Any],
-        *,
-        fused: bool,
-        emit: bool | None = None,
+        self, grads: Any, state: State, params: Any, extra: dict, fused: bool, emit: Any
     ) -> tuple[PyTree, State]:
-        """`update` (`fused=False`) or `_apply_gradients`."""
+        """`update` (`fused=False`, `emit=None`) or `_apply_gradients`."""
         method = "apply_gradients" if fused else "update"
         inputs = checks.prepare_step(self._window, grads, state, params, extra, method)
         step = self._decide(inputs, state, emit)
@@ -222,7 +199,11 @@ class MultiSteps(Configured):
         inner_state = strong_as_recorded(inner_state, inputs.record)
         skip_state = self._devices.add_axis(inputs.skip_state)
         carry = self._accumulation.after(carry, step, self._devices)
-        fields = (*_counters(step, emitted), inner_state, acc, skip_state)
+        n, gradient = step.index, step.gradient_step
+        count = jnp.where(step.should_skip, n, saturating_increment(n))
+        mini = jnp.where(step.window_end, 0, count).astype(n.dtype)
+        gradient = jnp.where(emitted, saturating_increment(gradient), gradient)
+        fields = (mini, gradient, inner_state, acc, skip_state)
         return out, self._accumulation.state(fields, carry)
 
     def _decide(self, inputs: StepInputs, state: State, emit: bool | None) -> MiniStep:
@@ -236,12 +217,11 @@ class MultiSteps(Configured):
         return MiniStep(window_end, skip, mini_step, gradient_step, weights, carry)
 
     def optax_state(self, state: State) -> State:
-        """`state` as `optax.MultiSteps` holds it at the same step, for it
-        to go on from: `acc_grads` zeros after a window's last mini-step
-        (nested `MultiSteps` states too). Jittable. A window held open past
-        its length (`emit=False`) is refused where the counters are known,
-        and a weighted state always (optax would drop its `acc_weight`).
-        Example: `docs/multi_steps.md`, "State"."""
+        """`state` as `optax.MultiSteps` holds it at the same step, for it to go on
+        from: `acc_grads` zeros after a window's last mini-step (nested `MultiSteps`
+        states too). Jittable. Refused: a window held open past its length
+        (`emit=False`) where the counters are known, and a weighted state (optax
+        would drop its `acc_weight`). Example: `docs/multi_steps.md`, "State"."""
         checks.check_state(state, "optax_state")
         state = self._accumulation.as_optax(state)
         mini, k = self._host_window(state) or (0, 0)  # traced: not refused
@@ -256,11 +236,10 @@ class MultiSteps(Configured):
         return _as_optax_holds_it(state)
 
     def emits_next(self, state: State) -> bool:
-        """Whether the window ends on the next accepted mini-step, for a host
-        loop that passes `apply_gradients(..., emit=)`; not for inside `jit`
-        (it reads the counters off the device). After a resume, start the
-        loop's count from `int(state.mini_step)`. Example:
-        `docs/multi_steps.md`, "The fused train step"."""
+        """Whether the window ends on the next accepted mini-step, for a host loop
+        passing `apply_gradients(..., emit=)`; not inside `jit` (it reads the
+        counters off the device). After a resume, count from `int(state.mini_step)`.
+        Example: `docs/multi_steps.md`, "The fused train step"."""
         checks.check_state(state, "emits_next")
         known = self._host_window(state)
         if known is None:

@@ -17,14 +17,13 @@ from ._leaves import accumulated, zeros_where_undifferentiated
 from ._records import check_state_structure
 from ._tree import as_index, check_same_shapes, check_same_structure, describe_value
 
-INT32_MAX = int(jnp.iinfo(jnp.int32).max)
 _ACC = "the accumulated gradients in the state"
 _NUMERIC = (jnp.integer, jnp.floating, jnp.bool_)
 _HINT_DICT = (
     "It is a dict of the state's fields, as a checkpoint restored without a target: "
     "restore into `jax.eval_shape(opt.init, params)` (or init's state) for its types."
 )
-_HINT_STATE = "Pass the whole MultiSteps state, not its inner_opt_state nor another's."
+_HINT_STATE = "Pass MultiSteps's state, not its inner_opt_state or another optimizer's."
 _HINT_PARAMS = (
     "Pass the params (or Equinox model) this MultiSteps's init was given, or params "
     "of the same tree and shapes."
@@ -32,18 +31,13 @@ _HINT_PARAMS = (
 
 
 def prepare_step(
-    config: Window,
-    grads: PyTree,
-    state: Any,
-    params: PyTree | None,
-    extra_args: dict[str, Any],
-    method: str,
+    config: Window, grads: PyTree, state: Any, params: PyTree, extra: dict, method: str
 ) -> StepInputs:
-    """The inputs of a `MultiSteps` step, checked (`weight=` off `extra_args`)."""
+    """A step's checked inputs (`params` may be `None`; `extra` loses its `weight=`)."""
     devices = config.devices
     devices.check_bound(method)
     who, state_arg = check_state(state, method)
-    weight = extra_args.pop("weight", NO_WEIGHT)
+    weight = extra.pop("weight", NO_WEIGHT)
     weight = config.accumulation.check(state, weight, (who, state_arg))
     acc = devices.drop_axis(state.acc_grads)
     if params is not None:
@@ -67,12 +61,11 @@ def prepare_step(
     skip_fn = config.should_skip_update_fn
     skip, skip_state = skip_decision(skip_fn, grads, gradient_step, params, weight)
     skip = skip if skip_fn is None else devices.agree(skip)
-    return StepInputs(grads, params, weight, k, record, extra_args, skip, skip_state)
+    return StepInputs(grads, params, weight, k, record, extra, skip, skip_state)
 
 
 def check_state(state: Any, method: str, *, counters: bool = True) -> tuple[str, str]:
-    """Checks `state`'s fields and counters (a step's: arrays); returns how the
-    user called `method` and its state argument's name."""
+    """Checks `state`'s fields and counters; returns the call's and state's names."""
     who, state_arg = f"MultiSteps.{method}", "state"
     if method == "apply_gradients":
         who, state_arg = "optax_ext.apply_gradients", "opt_state"
@@ -87,17 +80,12 @@ def check_state(state: Any, method: str, *, counters: bool = True) -> tuple[str,
     arrays = method in ("update", "apply_gradients")  # a step's
     for name in ("mini_step", "gradient_step") if counters else ():
         value = getattr(state, name)
-        try:
-            integer = jnp.issubdtype(jnp.result_type(value), jnp.integer)
-        except TypeError:
-            integer = False
+        integer = jnp.issubdtype(getattr(value, "dtype", type(value)), jnp.integer)
         if not integer or jnp.ndim(value) or (arrays and not hasattr(value, "dtype")):
-            what = f"(one state's counter; for a stack of states, jax.vmap {who})"
-            if arrays:
-                what = "array (as MultiSteps.init builds it)"
             raise TypeError(
-                f"{who}'s `{state_arg}.{name}` must be a scalar integer "
-                f"{what}, got {describe_value(value)}."
+                f"{who}'s `{state_arg}.{name}` must be a scalar integer"
+                f"{' array' if arrays else ''} (as MultiSteps.init builds it; for a "
+                f"stack of states, jax.vmap {who}), got {describe_value(value)}."
             )
     return who, state_arg
 
@@ -125,12 +113,11 @@ def validate_every_k(every_k: Any) -> Callable[[jax.Array], Any]:
     if callable(every_k):
         return every_k
     k = int(every_k) if isinstance(every_k, bool) else as_index(every_k)
-    if k is None or not 1 <= k <= INT32_MAX:
+    if k is None or not 1 <= k <= 2**31 - 1:
         raise (TypeError if k is None else ValueError)(
             f"every_k_schedule must be an int from 1 to 2**31 - 1, got {every_k!r} "
-            f"of type {type(every_k).__name__}: the number of mini-steps per update "
-            "(the state counts them in int32), or a function of the gradient step "
-            "returning one."
+            f"({type(every_k).__name__}): the mini-steps per update, counted in int32; "
+            "or a function of the gradient step returning one."
         )
     return lambda _: k
 
@@ -138,21 +125,19 @@ def validate_every_k(every_k: Any) -> Callable[[jax.Array], Any]:
 def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
     """The window length from `every_k_schedule` (a bool: its int), checked if known."""
     try:
-        known = np.asarray(k)
-    except UNREAD:
-        known = None
-    kind = jnp.asarray(k) if known is None else known
+        kind = np.asarray(k)
+    except UNREAD:  # traced
+        kind = jnp.asarray(k)
     if kind.shape != () or not any(jnp.issubdtype(kind.dtype, t) for t in _NUMERIC):
         raise TypeError(
             "every_k_schedule must return a scalar int (the number of mini-steps "
             f"in this window), got {describe_value(k)}."
         )
-    value = None if known is None else known.item()
-    if value is not None and not (1 <= value <= INT32_MAX and value == int(value)):
-        try:
+    value = kind.item() if isinstance(kind, np.ndarray) else None
+    if value is not None and not (1 <= value <= 2**31 - 1 and value == int(value)):
+        at = ""
+        if not isinstance(gradient_step, jax.core.Tracer):
             at = f" at gradient step {int(gradient_step)}"
-        except jax.errors.ConcretizationTypeError:
-            at = ""
         raise ValueError(
             f"every_k_schedule returned {value!r}{at}; a window is a whole number of "
             "mini-steps from 1 to 2**31 - 1 (the state counts them in int32). Round "
