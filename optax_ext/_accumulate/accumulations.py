@@ -67,7 +67,6 @@ class Plain:
         self.arithmetic = Accumulator(mean, self.weighted)
         self.parts, self.stochastic = parts, stochastic
         self.own = self.fields + tuple(p.field for p in parts)  # after optax's
-        self.state_type = state_type(self.own)
 
     def init(self, acc_grads: PyTree, devices: Any) -> dict:
         """The carry (besides `acc_grads`) at the start."""
@@ -75,15 +74,14 @@ class Plain:
 
     def state(self, fields: tuple, carry: dict) -> State:
         """The state of optax's `fields` and the `carry`."""
-        return self.state_type(*fields, *(carry[n] for n in self.own))
+        return state_type(self.own)(*fields, *(carry[n] for n in self.own))
 
     def carry(self, state: Any) -> dict:
         """The state's fields after optax's."""
         return dict(zip(state._fields[len(OPTAX_FIELDS) :], state[5:], strict=True))
 
     def check(self, state: Any, weight: Any, names: tuple) -> Any:
-        """The step's `weight=`, checked with its state's kind (`names`: the
-        call's and its state argument's)."""
+        """The step's `weight=`, checked with its state (`names`: the call's)."""
         if weight is not NO_WEIGHT:
             raise TypeError(
                 f"{names[0]} got weight={describe_value(weight)}, but this MultiSteps "
@@ -122,6 +120,7 @@ class Plain:
 
     def ready(self, step: Any) -> jax.Array | None:
         """Whether this device's window holds something to apply (`None`: it does)."""
+        return None if step.weights is None else step.weights.total > 0
 
     def reports(self, carry: dict) -> dict:
         """The fields `finalize` writes (with the window's end, in its branch)."""
@@ -149,8 +148,7 @@ class Plain:
             raise TypeError(
                 "MultiSteps.optax_state got a weighted state: optax.MultiSteps has no "
                 "weighted form and would drop its acc_weight (the window's running "
-                "weight) silently. A weighted state goes on only in "
-                "optax_ext.MultiSteps(..., weighted=True)."
+                "weight) silently; it goes on only in MultiSteps(..., weighted=True)."
             )
         return optax.MultiStepsState(*state[:5])
 
@@ -167,22 +165,19 @@ class Weighted(Plain):
         return {"acc_weight": acc_weight, **super().init(acc_grads, devices)}
 
     def check(self, state: Any, weight: Any, names: tuple) -> Any:
-        who = names[0]
-        names = (who.replace("MultiSteps.", "MultiSteps(weighted=True)."), names[1])
+        who = names[0].replace("MultiSteps.", "MultiSteps(weighted=True).")
         if weight is NO_WEIGHT:
             raise TypeError(
-                f"{names[0]} needs `weight=`: this mini-step's weight, a scalar >= 0 "
-                "(e.g. its number of non-padding tokens), by which the window weighs "
-                "its gradient. Flax Linen's TrainState.apply_gradients and "
-                "nnx.Optimizer.update do not pass it on to tx.update: call "
-                "optax_ext.train_state_apply_gradients(state, grads, weight=n) (Linen) "
-                "or optax_ext.nnx_apply_gradients(optimizer, model, grads, weight=n)."
+                f"{who} needs `weight=`, the mini-step's weight: a scalar >= 0 (e.g. "
+                "its non-padding tokens). Flax's TrainState.apply_gradients and "
+                "nnx.Optimizer.update do not pass it on: call "
+                "optax_ext.train_state_apply_gradients(state, grads, weight=n) or "
+                "optax_ext.nnx_apply_gradients(optimizer, model, grads, weight=n)."
             )
         if not is_real_scalar(weight):
             raise TypeError(
                 f"{who}'s `weight` must be a real scalar >= 0 (an int or float, e.g. "
-                f"the mini-step's number of non-padding tokens), got "
-                f"{describe_value(weight)}."
+                f"the mini-step's non-padding tokens), got {describe_value(weight)}."
             )
         try:
             known = float(np.asarray(weight))
@@ -191,16 +186,15 @@ class Weighted(Plain):
         if known is not None and not (known >= 0 and np.isfinite(known)):
             raise ValueError(
                 f"{who}'s `weight` must be finite and >= 0, got {known!r}: it is the "
-                "mini-step's share of the window (e.g. its number of non-padding "
-                "tokens)."
+                "mini-step's share of the window (e.g. its non-padding tokens)."
             )
-        super().check(state, NO_WEIGHT, names)
+        super().check(state, NO_WEIGHT, (who, names[1]))
         value = state.acc_weight
         dtype = getattr(value, "dtype", np.dtype(object))
         floating = jnp.issubdtype(dtype, jnp.floating)
         if not floating or jnp.shape(value) not in ((), (1,)):
             raise TypeError(
-                f"{names[0]}'s `{names[1]}.acc_weight` must be a float scalar (as "
+                f"{who}'s `{names[1]}.acc_weight` must be a float scalar (as "
                 f"init builds it), got {describe_value(value)}."
             )
         tiny, top = float(jnp.finfo(dtype).tiny), float(jnp.finfo(dtype).max)
@@ -214,18 +208,13 @@ class Weighted(Plain):
         return weight
 
     def begin(self, carry: dict, weight: Any, mini_step: jax.Array) -> Any:
-        """How `weight` folds in after the state's running weight (0 at a
-        window's first mini-step)."""
+        """How `weight` folds in after the running weight (0 at a window's start)."""
         stored = jnp.reshape(carry["acc_weight"], ())
-        if not isinstance(weight, jax.Array):  # a Python or NumPy number: in
-            # float directly (JAX would make an int64 an int32 first, wrapping it)
+        if not isinstance(weight, jax.Array):  # not via JAX's int32: no wrapping
             weight = np.asarray(weight).astype(stored.dtype)
         w = lax.convert_element_type(weight, stored.dtype)
         before = jnp.where(mini_step == 0, jnp.zeros((), stored.dtype), stored)
         return self.arithmetic.weigh(before, w)
-
-    def ready(self, step: Any) -> jax.Array | None:
-        return step.weights.total > 0
 
     def after(self, carry: dict, step: Any, devices: Any) -> dict:
         stored = jnp.reshape(step.carry["acc_weight"], ())
@@ -304,8 +293,7 @@ def gradient_noise_scale(state: Any) -> tuple[jax.Array, jax.Array]:
     carry = getattr(state, "noise_scale", None)
     if not isinstance(carry, NoiseScaleState):
         raise TypeError(
-            "optax_ext.gradient_noise_scale needs the state of a MultiSteps(..., "
-            f"noise_scale=True), got {describe_value(state)}: pass its whole state, "
-            "not its inner_opt_state."
+            "optax_ext.gradient_noise_scale needs the whole state of a MultiSteps(..., "
+            f"noise_scale=True), not its inner_opt_state; got {describe_value(state)}."
         )
     return tuple(jnp.reshape(x, (-1,))[0] for x in carry[3:])

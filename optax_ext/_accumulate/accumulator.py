@@ -1,6 +1,6 @@
-"""One accumulator for `MultiSteps` and `microbatched`: how a value is
-folded in (`Accumulator`, `Count`, `AnyOf`, `Rows`) and how the devices'
-accumulators meet after the last fold, so both compute the same arithmetic."""
+"""One accumulator for `MultiSteps` and `microbatched`, so both compute the
+same: how a value folds in (`Accumulator`, `Count`, `AnyOf`, `Rows`) and how
+the devices' accumulators meet after the last fold."""
 
 from __future__ import annotations
 
@@ -39,31 +39,25 @@ class Accumulator:
             weight = total / jnp.where(nothing, jnp.ones_like(weight), weight)
         return Weights(total, before == 0, nothing, weight)
 
-    def fold(
-        self, g: Any, acc: jax.Array, index: Any, w: Weights | None, key: Any = None
-    ) -> jax.Array:
-        """`acc` with `g` folded in as the `index`-th value (from 0): Welford's
-        mean `acc + (g - acc) / (index + 1)` or the sum `acc + g`; weighted
-        (`w`), `acc + (g - acc) / (W / w)` or `acc + w g`, a weight of 0 not
-        read. The first value is selected; rounded to nearest, or
-        stochastically with the bits of `key`."""
+    def fold(self, g: Any, acc: Any, index: Any, w: Any, key: Any = None) -> Any:
+        """`acc` with `g` folded in as the `index`-th value (from 0), the first
+        selected: Welford's mean `acc + (g - acc) / (index + 1)` or the sum;
+        with `Weights` `w`, `acc + (g - acc) / (W / w)` or `acc + w g`, a
+        weight of 0 not read. Rounded to nearest, or with `key` stochastically."""
         # lax, not jnp: no per-leaf `jit` of jnp's functions to trace and inline.
         work = work_dtype(acc.dtype)
         g = widen(jnp.asarray(g), work)
         old = lax.convert_element_type(acc, work)
         if w is not None:
-            scale = lax.broadcast_in_dim(
-                lax.convert_element_type(w.scale, work), old.shape, ()
-            )
+            scale = lax.broadcast(lax.convert_element_type(w.scale, work), old.shape)
         elif self.mean:
             scale = lax.convert_element_type(index + 1, work)
         value = lax.mul(g, scale) if w is not None and not self.mean else g
         running = lax.add(old, lax.div(lax.sub(g, old), scale) if self.mean else value)
         running = lax.select(index == 0 if w is None else w.first, value, running)
-        if key is None:
-            new = lax.convert_element_type(running, acc.dtype)
-        else:
-            new = round_stochastically(running, key)
+        if key is not None:  # to bfloat16, the accumulator's dtype
+            running = round_stochastically(running, key)
+        new = lax.convert_element_type(running, acc.dtype)
         return new if w is None else lax.select(w.nothing, acc, new)
 
     def part(self, acc: jax.Array, weight: jax.Array | None) -> jax.Array:
