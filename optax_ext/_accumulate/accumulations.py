@@ -1,6 +1,6 @@
-"""`MultiSteps`' accumulations, one class each, each owning its carry from
-`init` to `finalize`: `acc_grads` and its state fields after optax's (a
-dict while a step runs). A part (`NoiseScale`) adds one field to a kind."""
+"""`MultiSteps`' accumulations, a class each, owning its carry (`acc_grads`
+and a dict of its state fields after optax's) from `init` to `finalize`; a
+part (`NoiseScale`) adds one field to a kind."""
 
 from __future__ import annotations
 
@@ -191,8 +191,7 @@ class Weighted(Plain):
         super().check(state, NO_WEIGHT, (who, names[1]))
         value = state.acc_weight
         dtype = getattr(value, "dtype", np.dtype(object))
-        floating = jnp.issubdtype(dtype, jnp.floating)
-        if not floating or jnp.shape(value) not in ((), (1,)):
+        if not (jnp.issubdtype(dtype, jnp.floating) and np.shape(value) in ((), (1,))):
             raise TypeError(
                 f"{who}'s `{names[1]}.acc_weight` must be a float scalar (as "
                 f"init builds it), got {describe_value(value)}."
@@ -210,7 +209,7 @@ class Weighted(Plain):
     def begin(self, carry: dict, weight: Any, mini_step: jax.Array) -> Any:
         """How `weight` folds in after the running weight (0 at a window's start)."""
         stored = jnp.reshape(carry["acc_weight"], ())
-        if not isinstance(weight, jax.Array):  # not via JAX's int32: no wrapping
+        if not isinstance(weight, jax.Array):  # JAX would wrap an int64 to int32
             weight = np.asarray(weight).astype(stored.dtype)
         w = lax.convert_element_type(weight, stored.dtype)
         before = jnp.where(mini_step == 0, jnp.zeros((), stored.dtype), stored)
@@ -235,12 +234,6 @@ class NoiseScaleState(NamedTuple):
     trace: jax.Array  # tr(Sigma) of one micro-batch (of a unit of weight)
 
 
-def _squares(tree: PyTree) -> jax.Array:
-    """`sum |x|^2` over `tree`'s leaves, in float32 (or wider)."""
-    wide = [jnp.abs(x.astype(work_dtype(x.dtype))) for x in jax.tree.leaves(tree)]
-    return sum((jnp.sum(jnp.square(x)) for x in wide), jnp.zeros((), jnp.float32))
-
-
 class NoiseScale:
     """The gradient noise scale's estimates from each window (McCandlish et
     al. 2018, appendix A). With `n` micro-batch gradients `g_i` of weights
@@ -250,6 +243,12 @@ class NoiseScale:
 
     field = "noise_scale"
 
+    @staticmethod
+    def _squares(tree: PyTree) -> jax.Array:
+        """`sum |x|^2` over `tree`'s leaves, in float32 (or wider)."""
+        wide = [jnp.abs(x.astype(work_dtype(x.dtype))) for x in jax.tree.leaves(tree)]
+        return sum((jnp.sum(jnp.square(x)) for x in wide), jnp.zeros((), jnp.float32))
+
     def init(self) -> NoiseScaleState:
         zero, nan = jnp.zeros((), jnp.float32), jnp.full((), jnp.nan, jnp.float32)
         return NoiseScaleState(zero, zero, zero, nan, nan)
@@ -257,7 +256,7 @@ class NoiseScale:
     def fold(self, c: NoiseScaleState, inputs: Any, step: Any) -> NoiseScaleState:
         w = jnp.float32(1 if inputs.weight is None else inputs.weight)
         counts = jnp.logical_and(jnp.logical_not(step.should_skip), w > 0)
-        terms = (w * _squares(inputs.grads), w, jnp.ones((), jnp.float32))
+        terms = (w * self._squares(inputs.grads), w, jnp.ones((), jnp.float32))
         bases = [jnp.where(step.index == 0, jnp.zeros_like(x), x) for x in c[:3]]
         sums = [jnp.where(counts, b + t, b) for b, t in zip(bases, terms, strict=True)]
         return NoiseScaleState(*sums, c.squared_norm, c.trace)
@@ -267,7 +266,7 @@ class NoiseScale:
         if not arithmetic.mean:  # the window's mean from its sum
             by = w if arithmetic.weighted else n / size
             value = jax.tree.map(lambda v: v / by, value)
-        g2 = _squares(value)
+        g2 = self._squares(value)
         trace = (s - w * g2) / (n - 1)
         nan = jnp.full((), jnp.nan, jnp.float32)
         norm, trace = (jnp.where(n > 1, e, nan) for e in (g2 - trace / w, trace))

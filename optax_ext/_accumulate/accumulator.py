@@ -48,10 +48,9 @@ class Accumulator:
         work = work_dtype(acc.dtype)
         g = widen(jnp.asarray(g), work)
         old = lax.convert_element_type(acc, work)
+        scale = lax.convert_element_type(index + 1 if w is None else w.scale, work)
         if w is not None:
-            scale = lax.broadcast(lax.convert_element_type(w.scale, work), old.shape)
-        elif self.mean:
-            scale = lax.convert_element_type(index + 1, work)
+            scale = lax.broadcast(scale, old.shape)
         value = lax.mul(g, scale) if w is not None and not self.mean else g
         running = lax.add(old, lax.div(lax.sub(g, old), scale) if self.mean else value)
         running = lax.select(index == 0 if w is None else w.first, value, running)
@@ -128,10 +127,9 @@ class GradientRows(Rows):
 def reduce_across(
     kinds: list, accs: list, weight: jax.Array | None, axis_name: Any
 ) -> tuple[list, jax.Array | None]:
-    """Each device's accumulators (`weight`: its weight, weighted) over every
-    device along `axis_name`, in one all-reduce: the `part`s summed, then
-    `whole`; leaves whose kind is not `reduced` as they are. Returns the
-    weights' sum too (`None` unweighted)."""
+    """Each device's accumulators (`weight`: its weight) over every device
+    along `axis_name` in one all-reduce, `part`s summed, then `whole` (kinds
+    not `reduced` kept); and the weights' sum (`None` unweighted)."""
     parts = [k.part(a, weight) for k, a in zip(kinds, accs, strict=True) if k.reduced]
     parts, weight = lax.psum((parts, weight), axis_name)
     n, summed = lax.axis_size(axis_name), iter(parts)
