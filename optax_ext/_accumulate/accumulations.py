@@ -1,12 +1,12 @@
-"""`MultiSteps`' accumulations, one class each, each owning its carry from
-`init` to `finalize`: `acc_grads` and its state fields after optax's (a
-dict while a step runs). A part (`NoiseScale`) adds one field to a kind."""
+"""`MultiSteps`' accumulations, a class each, owning its carry (`acc_grads`
+and a dict of its state fields after optax's) from `init` to `finalize`; a
+part (`NoiseScale`) adds one field to a kind."""
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
+from collections import namedtuple
 from typing import Any, NamedTuple
 
 import jax
@@ -22,50 +22,6 @@ from .arithmetic import is_real_scalar, seed, work_dtype
 
 NO_WEIGHT = object()
 UNREAD = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
-_MSG_UNWEIGHTED = (
-    "{} got weight={}, but this MultiSteps was built without weighted=True, where "
-    "every mini-step counts the same. Build it with `MultiSteps(..., weighted=True)` "
-    "(and init its state again) to average the mini-steps by weight."
-)
-_MSG_NEEDS_WEIGHT = (
-    "{} needs `weight=`: this mini-step's weight, a scalar >= 0 (e.g. its number of "
-    "non-padding tokens). The window weighs the mini-step's gradient by it. A loop "
-    "that calls tx.update itself does not pass it on: Flax Linen's "
-    "TrainState.apply_gradients sends its keywords to .replace, nnx.Optimizer.update "
-    "takes none. Call optax_ext.train_state_apply_gradients(state, grads, weight=n) "
-    "(Linen) or optax_ext.nnx_apply_gradients(optimizer, model, grads, weight=n) (NNX)."
-)
-_MSG_WEIGHT_TYPE = (
-    "{}'s `weight` must be a real scalar >= 0 (an int or float, e.g. the "
-    "mini-step's number of non-padding tokens), got {}."
-)
-_MSG_WEIGHT_VALUE = (
-    "{}'s `weight` must be finite and >= 0, got {!r}: it is the mini-step's "
-    "share of the window (e.g. its number of non-padding tokens)."
-)
-_MSG_WEIGHT_HELD = (
-    "{0}'s `weight` is {1!r}, which the window's weights (summed in {2}, as "
-    "state.acc_weight) do not hold: {2} keeps {3:.3g} to {4:.3g}, and XLA flushes a "
-    "smaller one to 0. Only the weights' ratios matter: scale them all alike."
-)
-_MSG_FIELDS = (
-    "{}'s `{}` has no {}: got {}, not the state this MultiSteps' init returns "
-    "(optax.MultiStepsState's fields, then {}). Build it with this init."
-)
-_MSG_OTHER_KIND = (
-    "{} got a {} with the fields {} after optax's, from the init of a MultiSteps "
-    "built with other arguments (weighted=True, noise_scale=True) than this one, "
-    "whose state ends at {}; build both with the same arguments."
-)
-_MSG_AS_OPTAX = (
-    "MultiSteps.optax_state got a weighted state: optax.MultiSteps has no weighted "
-    "form and would drop its acc_weight (the window's running weight) silently. A "
-    "weighted state goes on only in optax_ext.MultiSteps(..., weighted=True)."
-)
-_MSG_NOT_NOISE = (
-    "optax_ext.gradient_noise_scale needs the state of a MultiSteps(..., "
-    "noise_scale=True), got {}: pass its whole state, not its inner_opt_state."
-)
 
 
 class WeightedMultiStepsState(NamedTuple):
@@ -95,9 +51,7 @@ OPTAX_FIELDS = optax.MultiStepsState._fields
 def state_type(fields: tuple[str, ...]) -> Any:
     """The state's NamedTuple: `optax.MultiStepsState`'s fields, then `fields`."""
     known = {(): optax.MultiStepsState, ("acc_weight",): WeightedMultiStepsState}
-    if fields in known:
-        return known[fields]
-    return collections.namedtuple("MultiStepsState", OPTAX_FIELDS + fields)
+    return known.get(fields) or namedtuple("MultiStepsState", OPTAX_FIELDS + fields)
 
 
 class Plain:
@@ -112,7 +66,7 @@ class Plain:
     def __init__(self, mean: bool, parts: tuple = (), stochastic: bool = False):
         self.arithmetic = Accumulator(mean, self.weighted)
         self.parts, self.stochastic = parts, stochastic
-        self.state_type = state_type(self.fields + tuple(p.field for p in parts))
+        self.own = self.fields + tuple(p.field for p in parts)  # after optax's
 
     def init(self, acc_grads: PyTree, devices: Any) -> dict:
         """The carry (besides `acc_grads`) at the start."""
@@ -120,31 +74,29 @@ class Plain:
 
     def state(self, fields: tuple, carry: dict) -> State:
         """The state of optax's `fields` and the `carry`."""
-        names = self.state_type._fields[len(OPTAX_FIELDS) :]
-        return self.state_type(*fields, *(carry[n] for n in names))
+        return state_type(self.own)(*fields, *(carry[n] for n in self.own))
 
     def carry(self, state: Any) -> dict:
         """The state's fields after optax's."""
         return dict(zip(state._fields[len(OPTAX_FIELDS) :], state[5:], strict=True))
 
     def check(self, state: Any, weight: Any, names: tuple) -> Any:
-        """The step's `weight=`, checked with its state's kind (`names`: the call's)."""
-        who, state_arg = names
+        """The step's `weight=`, checked with its state (`names`: the call's)."""
         if weight is not NO_WEIGHT:
-            raise TypeError(_MSG_UNWEIGHTED.format(who, describe_value(weight)))
-        self._check_fields(state, names)
-        return None
-
-    def _check_fields(self, state: Any, names: tuple) -> None:
-        want = self.state_type._fields[len(OPTAX_FIELDS) :]
+            raise TypeError(
+                f"{names[0]} got weight={describe_value(weight)}, but this MultiSteps "
+                "was built without weighted=True: build it with `MultiSteps(..., "
+                "weighted=True)` and init its state again to weigh the mini-steps."
+            )
         have = tuple(getattr(state, "_fields", ()))[len(OPTAX_FIELDS) :]
-        missing = [f for f in want if f not in have]
-        if missing:
-            got, ends = describe_value(state), ", ".join(want)
-            raise TypeError(_MSG_FIELDS.format(*names, missing[0], got, ends))
-        if have != want:
-            got, ends = type(state).__name__, want[-1] if want else "skip_state"
-            raise TypeError(_MSG_OTHER_KIND.format(names[0], got, list(have), ends))
+        if have != self.own:
+            lacks = [f"no {f}" for f in self.own if f not in have] + ["other fields"]
+            raise TypeError(
+                f"{names[0]}'s `{names[1]}` has {lacks[0]}: got a "
+                f"{type(state).__name__} with the fields {list(have)} after optax's, "
+                f"where this MultiSteps' init returns {list(self.own)}. Build both "
+                "with the same arguments (weighted=, noise_scale=) or use this init."
+            )
 
     def begin(self, carry: dict, weight: Any, mini_step: jax.Array) -> Any:
         """This mini-step's `Weights` (`None`: it counts as one)."""
@@ -163,12 +115,12 @@ class Plain:
 
         acc = jax.tree.map(one, devices.add_axis(inputs.grads), acc)
         for p in self.parts:
-            new = p.fold(carry[p.field], inputs.grads, inputs.weight, step)
-            carry = {**carry, p.field: new}
+            carry = {**carry, p.field: p.fold(carry[p.field], inputs, step)}
         return acc, carry
 
     def ready(self, step: Any) -> jax.Array | None:
         """Whether this device's window holds something to apply (`None`: it does)."""
+        return None if step.weights is None else step.weights.total > 0
 
     def reports(self, carry: dict) -> dict:
         """The fields `finalize` writes (with the window's end, in its branch)."""
@@ -193,7 +145,11 @@ class Plain:
     def as_optax(self, state: Any) -> Any:
         """`state` as `optax.MultiStepsState`, or an error if it cannot be."""
         if hasattr(state, "acc_weight"):
-            raise TypeError(_MSG_AS_OPTAX)
+            raise TypeError(
+                "MultiSteps.optax_state got a weighted state: optax.MultiSteps has no "
+                "weighted form and would drop its acc_weight (the window's running "
+                "weight) silently; it goes on only in MultiSteps(..., weighted=True)."
+            )
         return optax.MultiStepsState(*state[:5])
 
 
@@ -209,47 +165,55 @@ class Weighted(Plain):
         return {"acc_weight": acc_weight, **super().init(acc_grads, devices)}
 
     def check(self, state: Any, weight: Any, names: tuple) -> Any:
-        who, state_arg = names
-        weighted_who = who.replace("MultiSteps.", "MultiSteps(weighted=True).")
+        who = names[0].replace("MultiSteps.", "MultiSteps(weighted=True).")
         if weight is NO_WEIGHT:
-            raise TypeError(_MSG_NEEDS_WEIGHT.format(weighted_who))
+            raise TypeError(
+                f"{who} needs `weight=`, the mini-step's weight: a scalar >= 0 (e.g. "
+                "its non-padding tokens). Flax's TrainState.apply_gradients and "
+                "nnx.Optimizer.update do not pass it on: call "
+                "optax_ext.train_state_apply_gradients(state, grads, weight=n) or "
+                "optax_ext.nnx_apply_gradients(optimizer, model, grads, weight=n)."
+            )
         if not is_real_scalar(weight):
-            raise TypeError(_MSG_WEIGHT_TYPE.format(who, describe_value(weight)))
+            raise TypeError(
+                f"{who}'s `weight` must be a real scalar >= 0 (an int or float, e.g. "
+                f"the mini-step's non-padding tokens), got {describe_value(weight)}."
+            )
         try:
             known = float(np.asarray(weight))
         except UNREAD:
             known = None  # traced: not checked
         if known is not None and not (known >= 0 and np.isfinite(known)):
-            raise ValueError(_MSG_WEIGHT_VALUE.format(who, known))
-        self._check_fields(state, (weighted_who, state_arg))
-        value = state.acc_weight
-        dtype = getattr(value, "dtype", None)
-        floating = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-        if not floating or jnp.shape(value) not in ((), (1,)):
-            raise TypeError(
-                f"{weighted_who}'s `{state_arg}.acc_weight` must be a "
-                f"float scalar (as init builds it), got {describe_value(value)}."
+            raise ValueError(
+                f"{who}'s `weight` must be finite and >= 0, got {known!r}: it is the "
+                "mini-step's share of the window (e.g. its non-padding tokens)."
             )
-        tiny, largest = float(jnp.finfo(dtype).tiny), float(jnp.finfo(dtype).max)
-        if known is not None and (0 < known < tiny or known > largest):
-            held = (who, known, np.dtype(dtype), tiny, largest)
-            raise ValueError(_MSG_WEIGHT_HELD.format(*held))
+        super().check(state, NO_WEIGHT, (who, names[1]))
+        value = state.acc_weight
+        dtype = getattr(value, "dtype", np.dtype(object))
+        if not (jnp.issubdtype(dtype, jnp.floating) and np.shape(value) in ((), (1,))):
+            raise TypeError(
+                f"{who}'s `{names[1]}.acc_weight` must be a float scalar (as "
+                f"init builds it), got {describe_value(value)}."
+            )
+        tiny, top = float(jnp.finfo(dtype).tiny), float(jnp.finfo(dtype).max)
+        if known is not None and (0 < known < tiny or known > top):
+            raise ValueError(
+                f"{who}'s `weight` is {known!r}, which the window's weights (summed "
+                f"in {np.dtype(dtype)}, as state.acc_weight) do not hold: "
+                f"{np.dtype(dtype)} keeps {tiny:.3g} to {top:.3g}, and XLA flushes a "
+                "smaller one to 0. Only the weights' ratios matter: scale them alike."
+            )
         return weight
 
     def begin(self, carry: dict, weight: Any, mini_step: jax.Array) -> Any:
-        """How `weight` folds in after the state's running weight; a
-        window's first mini-step starts from 0."""
+        """How `weight` folds in after the running weight (0 at a window's start)."""
         stored = jnp.reshape(carry["acc_weight"], ())
-        dtype = stored.dtype
-        if not isinstance(weight, jax.Array):  # a Python or NumPy number: in
-            # float directly (JAX would make an int64 an int32 first, wrapping it)
-            weight = np.asarray(weight).astype(dtype)
-        w = lax.convert_element_type(weight, dtype)
-        before = jnp.where(mini_step == 0, jnp.zeros((), dtype), stored)
+        if not isinstance(weight, jax.Array):  # JAX would wrap an int64 to int32
+            weight = np.asarray(weight).astype(stored.dtype)
+        w = lax.convert_element_type(weight, stored.dtype)
+        before = jnp.where(mini_step == 0, jnp.zeros((), stored.dtype), stored)
         return self.arithmetic.weigh(before, w)
-
-    def ready(self, step: Any) -> jax.Array | None:
-        return step.weights.total > 0
 
     def after(self, carry: dict, step: Any, devices: Any) -> dict:
         stored = jnp.reshape(step.carry["acc_weight"], ())
@@ -270,12 +234,6 @@ class NoiseScaleState(NamedTuple):
     trace: jax.Array  # tr(Sigma) of one micro-batch (of a unit of weight)
 
 
-def _squares(tree: PyTree) -> jax.Array:
-    """`sum |x|^2` over `tree`'s leaves, in float32 (or wider)."""
-    wide = [jnp.abs(x.astype(work_dtype(x.dtype))) for x in jax.tree.leaves(tree)]
-    return sum((jnp.sum(jnp.square(x)) for x in wide), jnp.zeros((), jnp.float32))
-
-
 class NoiseScale:
     """The gradient noise scale's estimates from each window (McCandlish et
     al. 2018, appendix A). With `n` micro-batch gradients `g_i` of weights
@@ -285,25 +243,30 @@ class NoiseScale:
 
     field = "noise_scale"
 
+    @staticmethod
+    def _squares(tree: PyTree) -> jax.Array:
+        """`sum |x|^2` over `tree`'s leaves, in float32 (or wider)."""
+        wide = [jnp.abs(x.astype(work_dtype(x.dtype))) for x in jax.tree.leaves(tree)]
+        return sum((jnp.sum(jnp.square(x)) for x in wide), jnp.zeros((), jnp.float32))
+
     def init(self) -> NoiseScaleState:
         zero, nan = jnp.zeros((), jnp.float32), jnp.full((), jnp.nan, jnp.float32)
         return NoiseScaleState(zero, zero, zero, nan, nan)
 
-    def fold(self, c: NoiseScaleState, grads: PyTree, weight: Any, step: Any) -> Any:
-        w = jnp.ones((), jnp.float32) if weight is None else jnp.float32(weight)
+    def fold(self, c: NoiseScaleState, inputs: Any, step: Any) -> NoiseScaleState:
+        w = jnp.float32(1 if inputs.weight is None else inputs.weight)
         counts = jnp.logical_and(jnp.logical_not(step.should_skip), w > 0)
-        terms = (w * _squares(grads), w, jnp.ones((), jnp.float32))
+        terms = (w * self._squares(inputs.grads), w, jnp.ones((), jnp.float32))
         bases = [jnp.where(step.index == 0, jnp.zeros_like(x), x) for x in c[:3]]
         sums = [jnp.where(counts, b + t, b) for b, t in zip(bases, terms, strict=True)]
         return NoiseScaleState(*sums, c.squared_norm, c.trace)
 
     def finalize(self, c: Any, value: PyTree, arithmetic: Any, devices: Any) -> Any:
         (s, w, n), size = devices.total(tuple(c[:3]))
-        mean = value
         if not arithmetic.mean:  # the window's mean from its sum
             by = w if arithmetic.weighted else n / size
-            mean = jax.tree.map(lambda v: v / by, value)
-        g2 = _squares(mean)
+            value = jax.tree.map(lambda v: v / by, value)
+        g2 = self._squares(value)
         trace = (s - w * g2) / (n - 1)
         nan = jnp.full((), jnp.nan, jnp.float32)
         norm, trace = (jnp.where(n > 1, e, nan) for e in (g2 - trace / w, trace))
@@ -328,5 +291,8 @@ def gradient_noise_scale(state: Any) -> tuple[jax.Array, jax.Array]:
     """
     carry = getattr(state, "noise_scale", None)
     if not isinstance(carry, NoiseScaleState):
-        raise TypeError(_MSG_NOT_NOISE.format(describe_value(state)))
+        raise TypeError(
+            "optax_ext.gradient_noise_scale needs the whole state of a MultiSteps(..., "
+            f"noise_scale=True), not its inner_opt_state; got {describe_value(state)}."
+        )
     return tuple(jnp.reshape(x, (-1,))[0] for x in carry[3:])

@@ -1,6 +1,6 @@
-"""One accumulator for `MultiSteps` and `microbatched`: how a value is
-folded in (`Accumulator`, `Count`, `AnyOf`, `Rows`) and how the devices'
-accumulators meet after the last fold, so both compute the same arithmetic."""
+"""One accumulator for `MultiSteps` and `microbatched`, so both compute the
+same: how a value folds in (`Accumulator`, `Count`, `AnyOf`, `Rows`) and how
+the devices' accumulators meet after the last fold."""
 
 from __future__ import annotations
 
@@ -36,24 +36,28 @@ class Accumulator:
         total = before + weight
         nothing = weight == 0
         if self.mean:
-            scale = total / jnp.where(nothing, jnp.ones_like(weight), weight)
-        else:
-            scale = weight
-        return Weights(total, before == 0, nothing, scale)
+            weight = total / jnp.where(nothing, jnp.ones_like(weight), weight)
+        return Weights(total, before == 0, nothing, weight)
 
-    def fold(
-        self,
-        x: jax.Array,
-        acc: jax.Array,
-        index: jax.Array,
-        weights: Weights | None,
-        key: jax.Array | None = None,
-    ) -> jax.Array:
-        """`acc` with `x` folded in as the `index`-th value (from 0), rounded
-        to nearest, or stochastically with the bits of `key`."""
-        if weights is None:
-            return fold(x, acc, index, self.mean, key)
-        return _fold_weighted(x, acc, weights, self.mean, key)
+    def fold(self, g: Any, acc: Any, index: Any, w: Any, key: Any = None) -> Any:
+        """`acc` with `g` folded in as the `index`-th value (from 0), the first
+        selected: Welford's mean `acc + (g - acc) / (index + 1)` or the sum;
+        with `Weights` `w`, `acc + (g - acc) / (W / w)` or `acc + w g`, a
+        weight of 0 not read. Rounded to nearest, or with `key` stochastically."""
+        # lax, not jnp: no per-leaf `jit` of jnp's functions to trace and inline.
+        work = work_dtype(acc.dtype)
+        g = widen(jnp.asarray(g), work)
+        old = lax.convert_element_type(acc, work)
+        scale = lax.convert_element_type(index + 1 if w is None else w.scale, work)
+        if w is not None:
+            scale = lax.broadcast(scale, old.shape)
+        value = lax.mul(g, scale) if w is not None and not self.mean else g
+        running = lax.add(old, lax.div(lax.sub(g, old), scale) if self.mean else value)
+        running = lax.select(index == 0 if w is None else w.first, value, running)
+        if key is not None:  # to bfloat16, the accumulator's dtype
+            running = round_stochastically(running, key)
+        new = lax.convert_element_type(running, acc.dtype)
+        return new if w is None else lax.select(w.nothing, acc, new)
 
     def part(self, acc: jax.Array, weight: jax.Array | None) -> jax.Array:
         """This device's share of the all-reduce, in at least float32."""
@@ -82,7 +86,7 @@ class Count:
     reduced = True
 
     def fold(self, out: Any, acc: Any, j: Any, weights: Any) -> jax.Array:
-        return fold(out, acc, j, mean=False)
+        return Accumulator(mean=False).fold(out, acc, j, None)
 
     def part(self, acc: jax.Array, weight: Any) -> jax.Array:
         return acc
@@ -123,15 +127,11 @@ class GradientRows(Rows):
 def reduce_across(
     kinds: list, accs: list, weight: jax.Array | None, axis_name: Any
 ) -> tuple[list, jax.Array | None]:
-    """Each device's accumulators (`weight`: its weight, weighted) over every
-    device along `axis_name`, in one all-reduce: the `part`s summed, then
-    `whole`; leaves whose kind is not `reduced` as they are. Returns the
-    weights' sum too (`None` unweighted)."""
+    """Each device's accumulators (`weight`: its weight) over every device
+    along `axis_name` in one all-reduce, `part`s summed, then `whole` (kinds
+    not `reduced` kept); and the weights' sum (`None` unweighted)."""
     parts = [k.part(a, weight) for k, a in zip(kinds, accs, strict=True) if k.reduced]
-    if weight is None:
-        parts = lax.psum(parts, axis_name)
-    else:
-        parts, weight = lax.psum((parts, weight), axis_name)
+    parts, weight = lax.psum((parts, weight), axis_name)
     n, summed = lax.axis_size(axis_name), iter(parts)
     return [
         k.whole(next(summed), weight, n) if k.reduced else a
@@ -139,56 +139,11 @@ def reduce_across(
     ], weight
 
 
-def fold(
-    g: jax.Array, acc: jax.Array, index: jax.Array, mean: bool, key: Any = None
-) -> jax.Array:
-    """`acc` with `g` folded in as the `index`-th value (from 0): Welford's
-    running mean `acc + (g - acc) / (index + 1)`, or the sum; the first
-    value selected."""
-    # lax, not jnp: no per-leaf `jit` of jnp's functions to trace and inline.
-    work = work_dtype(acc.dtype)
-    g = widen(jnp.asarray(g), work)
-    old = lax.convert_element_type(acc, work)
-    if mean:
-        count = lax.convert_element_type(index + 1, work)
-        running = lax.add(old, lax.div(lax.sub(g, old), count))
-    else:
-        running = lax.add(old, g)
-    running = lax.select(index == 0, g, running)
-    return _narrowed(running, acc.dtype, key)
-
-
-def _narrowed(x: jax.Array, dtype: Any, key: jax.Array | None) -> jax.Array:
-    """`x` in the accumulator's `dtype`: rounded to nearest, or with `key`
-    stochastically (to bfloat16)."""
-    if key is None:
-        return lax.convert_element_type(x, dtype)
-    return round_stochastically(x, key)
-
-
-def _fold_weighted(
-    g: jax.Array, acc: jax.Array, w: Weights, mean: bool, key: jax.Array | None
-) -> jax.Array:
-    """`acc + (g - acc) / (W / w)` (the mean) or `acc + w g` (the sum)."""
-    work = work_dtype(acc.dtype)
-    g = widen(jnp.asarray(g), work)
-    old = lax.convert_element_type(acc, work)
-    scale = lax.broadcast_in_dim(lax.convert_element_type(w.scale, work), old.shape, ())
-    if mean:
-        running, value = lax.add(old, lax.div(lax.sub(g, old), scale)), g
-    else:
-        value = lax.mul(g, scale)
-        running = lax.add(old, value)
-    new = _narrowed(lax.select(w.first, value, running), acc.dtype, key)
-    return lax.select(w.nothing, acc, new)
-
-
 def weight_dtype(accumulators: Any) -> Any:
-    """float64 where an accumulator works in 64 bits, else float32."""
-    for acc in jax.tree.leaves(accumulators):
-        if jnp.finfo(work_dtype(jnp.result_type(acc))).bits == 64:  # complex128 too
-            return jnp.dtype(jnp.float64)
-    return jnp.dtype(jnp.float32)
+    """float64 where an accumulator works in 64 bits (complex128 too), else float32."""
+    leaves = jax.tree.leaves(accumulators)
+    wide = any(jnp.finfo(work_dtype(jnp.result_type(a))).bits == 64 for a in leaves)
+    return jnp.dtype(jnp.float64 if wide else jnp.float32)
 
 
 def as_gradient_dtype(value: jax.Array, dtype: Any) -> jax.Array:
