@@ -68,7 +68,7 @@ def accumulator_dtype_for(
     leaf: Any, accumulator_dtype: Any, path: str, caller: str, what: str
 ) -> Any:
     """The dtype `leaf` (an array, Python number or dtype) accumulates in: the
-    least holding it and `accumulator_dtype` (by default float32 for integers)."""
+    least holding it and `accumulator_dtype` (without one, float32 for integers)."""
     dtype = jnp.result_type(leaf)
     if accumulator_dtype is None:
         return jnp.dtype(jnp.float32) if jnp.issubdtype(dtype, jnp.integer) else dtype
@@ -77,15 +77,14 @@ def accumulator_dtype_for(
     try:
         return jnp.result_type(leaf, accumulator_dtype)
     except PROMOTION_ERROR:
-        wide = least_holding(dtype, accumulator_dtype)
-    if wide is None:
-        raise TypeError(
-            f"{caller}(accumulator_dtype={jnp.dtype(accumulator_dtype)}) cannot "
-            f"accumulate {what} at {path or 'the root'} of dtype {dtype}: neither "
-            "dtype holds every value of the other. Pass an accumulator_dtype "
-            "holding both (e.g. jnp.float32 for float8 values)."
-        )
-    return wide
+        if (wide := least_holding(dtype, accumulator_dtype)) is not None:
+            return wide
+    raise TypeError(
+        f"{caller}(accumulator_dtype={jnp.dtype(accumulator_dtype)}) cannot accumulate "
+        f"{what} at {path or 'the root'} of dtype {dtype}: neither dtype holds every "
+        "value of the other. Pass an accumulator_dtype holding both (e.g. "
+        "jnp.float32 for float8 values)."
+    )
 
 
 def zero_accumulator(

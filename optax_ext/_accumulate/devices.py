@@ -1,6 +1,5 @@
-"""How `MultiSteps` sees its state: on one device, or per device along a
-mesh axis (`axis_name`), where each device accumulates its own gradients and
-they are averaged once per window."""
+"""How `MultiSteps` sees its state: on one device, or per device along a mesh
+axis (`axis_name`), each accumulating its own gradients, averaged once per window."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jaxtyping import PyTree
 
 from .._leaves import is_none
@@ -87,7 +85,7 @@ class PerDeviceState(SingleDeviceState):
 
     def check_bound(self, method: str) -> None:
         try:
-            lax.axis_size(self.axis_name)
+            jax.lax.axis_size(self.axis_name)
         except NameError as e:
             built = f"MultiSteps(axis_name={self.axis_name!r})"
             fused = f"optax_ext.apply_gradients with {built}"
@@ -133,19 +131,19 @@ class PerDeviceState(SingleDeviceState):
                     f"along {along!r}. If `jax.grad` summed it over the devices "
                     "(replicated params under `jax.shard_map`), averaging would "
                     f"scale it: differentiate with respect to `{cast}`. If it is "
-                    "built alike on every device (`jnp.zeros` for a frozen leaf), "
+                    "built alike on every device, as `jnp.zeros` for a frozen leaf: "
                     f"pass `{zeros}` or `jnp.zeros_like` of the cast params' leaf."
                 )
 
     def agree(self, should_skip: jax.Array) -> jax.Array:
         """Every device takes the same skip decision."""
-        return lax.psum(should_skip.astype(jnp.int32), self.axis_name) > 0
+        return jax.lax.psum(should_skip.astype(jnp.int32), self.axis_name) > 0
 
     def index(self) -> jax.Array:
-        return lax.axis_index(self.axis_name)
+        return jax.lax.axis_index(self.axis_name)
 
     def total(self, tree: PyTree) -> tuple[PyTree, int]:
-        return lax.psum(tree, self.axis_name), lax.axis_size(self.axis_name)
+        return jax.lax.psum(tree, self.axis_name), jax.lax.axis_size(self.axis_name)
 
     def finish(
         self, acc: PyTree, accumulator: Accumulator, weight: Any, dtypes: PyTree
