@@ -1,6 +1,5 @@
-"""The dtypes of gradient accumulation, shared by `microbatched` and
-`MultiSteps`: the dtype a leaf accumulates in (`accumulator_dtype_for`) and
-the float32 working dtype of narrow floats (`work_dtype`, `widen`), and
+"""The dtypes of gradient accumulation, shared by `microbatched` and `MultiSteps`
+(`accumulator_dtype_for`; `work_dtype`, `widen`: float32 for narrow floats), and
 the stochastic rounding of float32 to bfloat16 (`round_stochastically`)."""
 
 from __future__ import annotations
@@ -26,10 +25,10 @@ def check_accumulator_dtype(accumulator_dtype: Any, *, complex_ok: bool) -> Any:
         dtype = None
     kind = jnp.inexact if complex_ok else jnp.floating
     if dtype is None or not jnp.issubdtype(dtype, kind):
-        what = "a floating or complex dtype" if complex_ok else "a floating dtype"
+        what = "floating or complex" if complex_ok else "floating"
         raise TypeError(
-            f"accumulator_dtype must be {what} (jnp.float32, the default, or "
-            f"wider) or None, got {accumulator_dtype!r}."
+            f"accumulator_dtype must be a {what} dtype (jnp.float32, the default, "
+            f"or wider) or None, got {accumulator_dtype!r}."
         )
     canonical = jax.dtypes.canonicalize_dtype(dtype)
     # Python's float and complex name JAX's default dtypes, as in jnp.zeros.
@@ -37,71 +36,55 @@ def check_accumulator_dtype(accumulator_dtype: Any, *, complex_ok: bool) -> Any:
     default = named and accumulator_dtype in ("float", "complex", float, complex)
     if canonical != dtype and not default:
         raise ValueError(
-            f"accumulator_dtype={dtype} needs 64-bit JAX: without it JAX makes "
-            f"it {canonical}, and the accumulator would round to it. Enable it "
-            "before building the optimizer (`jax.config.update("
-            "'jax_enable_x64', True)`), or pass accumulator_dtype="
-            f"jnp.{canonical}."
+            f"accumulator_dtype={dtype} needs 64-bit JAX, without which it is "
+            f"{canonical} and the accumulator rounds to it. Enable it before "
+            "building the optimizer (`jax.config.update('jax_enable_x64', True)`) "
+            f"or pass accumulator_dtype=jnp.{canonical}."
         )
     return canonical
 
 
-def holds(wide: Any, narrow: Any) -> bool:
-    """Whether every value of dtype `narrow` is a value of dtype `wide` (as
-    JAX promotes, else by their formats)."""
-    try:
-        return jnp.promote_types(narrow, wide) == wide
-    except PROMOTION_ERROR:
-        pass
-    if not (jnp.issubdtype(wide, jnp.inexact) and jnp.issubdtype(narrow, jnp.inexact)):
-        return False
-    if jnp.issubdtype(narrow, jnp.complexfloating) and not jnp.issubdtype(
-        wide, jnp.complexfloating
-    ):
-        return False
-    w, n = jnp.finfo(wide), jnp.finfo(narrow)
-    return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
-
-
 def least_holding(dtype: Any, other: Any) -> Any:
-    """The least dtype holding every value of both, or `None`."""
+    """The least dtype holding every value of both (float8: by format), or None."""
     try:
         return jnp.promote_types(dtype, other)
     except PROMOTION_ERROR:
-        pass
-    if holds(other, dtype):
-        return jnp.dtype(other)
-    if holds(dtype, other):
-        return jnp.dtype(dtype)
+        if not all(jnp.issubdtype(d, jnp.inexact) for d in (dtype, other)):
+            return None
+    for wide, narrow in ((other, dtype), (dtype, other)):
+        w, n = jnp.finfo(wide), jnp.finfo(narrow)
+        if w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp:
+            return jnp.dtype(wide)
     return None
+
+
+def holds(wide: Any, narrow: Any) -> bool:
+    """Whether every value of dtype `narrow` is a value of dtype `wide`."""
+    least = least_holding(wide, narrow)
+    return least is not None and least == wide  # np.dtype(None) is float64
 
 
 def accumulator_dtype_for(
     leaf: Any, accumulator_dtype: Any, path: str, caller: str, what: str
 ) -> Any:
-    """The dtype `leaf` (an array, a Python number or a dtype) accumulates
-    in: the least dtype holding both it and `accumulator_dtype` (float32 for
-    an integer leaf); a `TypeError` where neither holds the other."""
+    """The dtype `leaf` (an array, Python number or dtype) accumulates in: the
+    least holding it and `accumulator_dtype` (without one, float32 for integers)."""
     dtype = jnp.result_type(leaf)
-    if jnp.issubdtype(dtype, jnp.integer):
-        no_choice = accumulator_dtype is None
-        return jnp.dtype(jnp.float32) if no_choice else accumulator_dtype
     if accumulator_dtype is None:
-        return dtype
+        return jnp.dtype(jnp.float32) if jnp.issubdtype(dtype, jnp.integer) else dtype
+    if jnp.issubdtype(dtype, jnp.integer):
+        return accumulator_dtype
     try:
         return jnp.result_type(leaf, accumulator_dtype)
     except PROMOTION_ERROR:
-        pass
-    wide = least_holding(dtype, accumulator_dtype)
-    if wide is None:
-        raise TypeError(
-            f"{caller}(accumulator_dtype={jnp.dtype(accumulator_dtype)}) cannot "
-            f"accumulate {what} at {path or 'the root'} of dtype "
-            f"{jnp.dtype(dtype)}: neither dtype holds every value of the other. "
-            "Pass an accumulator_dtype that holds both (e.g. jnp.float32 for "
-            "float8 values)."
-        )
-    return wide
+        if (wide := least_holding(dtype, accumulator_dtype)) is not None:
+            return wide
+    raise TypeError(
+        f"{caller}(accumulator_dtype={jnp.dtype(accumulator_dtype)}) cannot accumulate "
+        f"{what} at {path or 'the root'} of dtype {dtype}: neither dtype holds every "
+        "value of the other. Pass an accumulator_dtype holding both (e.g. "
+        "jnp.float32 for float8 values)."
+    )
 
 
 def zero_accumulator(
@@ -112,23 +95,21 @@ def zero_accumulator(
     names = ("MultiSteps", "the params")
 
     def zeros(path: Any, p: Any) -> jax.Array:
-        shape, where = jnp.shape(p), jax.tree_util.keystr(path)
+        where, given = jax.tree_util.keystr(path), jnp.result_type(p)
         dtype = accumulator_dtype_for(p, accumulator_dtype, where, *names)
-        if stochastic and not rounds_stochastically(jnp.result_type(p)):
+        if stochastic and not rounds_stochastically(given):
             raise TypeError(
-                "MultiSteps(stochastic_rounding=True) rounds float32 to "
-                f"bfloat16, but the params at {where or 'the root'} have dtype "
-                f"{jnp.result_type(p)}. Leave stochastic_rounding out for "
-                "float64 and complex params."
+                "MultiSteps(stochastic_rounding=True) rounds float32 to bfloat16, "
+                f"but the params at {where or 'the root'} have dtype {given}. "
+                "Leave stochastic_rounding out for float64 and complex params."
             )
-        return jnp.zeros(shape, jnp.bfloat16 if stochastic else dtype)
+        return jnp.zeros(jnp.shape(p), jnp.bfloat16 if stochastic else dtype)
 
     return jax.tree_util.tree_map_with_path(zeros, params)
 
 
 def work_dtype(acc_dtype: Any) -> Any:
-    """The dtype a running mean is computed in: float32 for narrower floating
-    accumulators, the accumulator's own dtype otherwise."""
+    """The dtype a running mean is computed in: float32 for narrower floats."""
     if jnp.issubdtype(acc_dtype, jnp.floating) and jnp.finfo(acc_dtype).bits < 32:
         return jnp.dtype(jnp.float32)
     return acc_dtype
@@ -139,10 +120,8 @@ def widen(x: jax.Array, dtype: Any) -> jax.Array:
     by a `reduce_precision` that XLA keeps (docs/design.md)."""
     if x.dtype != jnp.bfloat16 or jnp.dtype(dtype) == x.dtype:
         return lax.convert_element_type(x, dtype)
-    fi = jnp.finfo(jnp.bfloat16)
-    exact = lax.reduce_precision(
-        lax.convert_element_type(x, jnp.float32), fi.nexp, fi.nmant
-    )
+    fi, exact = jnp.finfo(jnp.bfloat16), lax.convert_element_type(x, jnp.float32)
+    exact = lax.reduce_precision(exact, fi.nexp, fi.nmant)
     return lax.convert_element_type(exact, dtype)  # float32 widens exactly
 
 
@@ -150,20 +129,17 @@ def is_real_scalar(value: Any) -> bool:
     """Whether `value` can be a weight: an int or float scalar, not a bool."""
     dtype = getattr(value, "dtype", None)
     if dtype is None:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return False
-        dtype = jnp.result_type(value)
+        return isinstance(value, int | float) and not isinstance(value, bool)
     real = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
-    return real and dtype != jnp.bool_ and jnp.shape(value) == ()
+    return real and jnp.shape(value) == ()
 
 
 def _mix(x: jax.Array) -> jax.Array:
     """A bijection of uint32 whose every output bit depends on every input
     bit (Wellons' "lowbias32" constants)."""
     for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B)):
-        x = lax.mul(
-            lax.bitwise_xor(x, lax.shift_right_logical(x, _u32(shift))), _u32(factor)
-        )
+        x = lax.bitwise_xor(x, lax.shift_right_logical(x, _u32(shift)))
+        x = lax.mul(x, _u32(factor))
     return lax.bitwise_xor(x, lax.shift_right_logical(x, _u32(16)))
 
 
@@ -180,9 +156,8 @@ def seed(*words: Any) -> jax.Array:
 
 
 def round_stochastically(x: jax.Array, key: jax.Array) -> jax.Array:
-    """`x` (float32) in bfloat16, rounded up with probability the fraction
-    of a bfloat16 ulp it lies above the one below (so without bias); the
-    bits come from a hash of `key` and each element's index."""
+    """`x` (float32) in bfloat16, rounded up with probability its fraction of
+    an ulp above the value below (no bias), by a hash of `key` and the index."""
     index = lax.reshape(lax.iota(jnp.uint32, x.size), x.shape)
     noise = lax.shift_right_logical(_mix(_mix(lax.add(index, key))), _u32(16))
     bits = lax.add(lax.bitcast_convert_type(x, jnp.uint32), noise)
@@ -191,8 +166,6 @@ def round_stochastically(x: jax.Array, key: jax.Array) -> jax.Array:
 
 
 def rounds_stochastically(dtype: Any) -> bool:
-    """Whether values of `dtype` round stochastically to bfloat16 (through
-    float32): integers, and floats of 32 bits or fewer."""
-    if jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_:
-        return True
-    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits <= 32
+    """Whether values of `dtype` round stochastically to bfloat16 (through float32)."""
+    small = jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits <= 32
+    return small or jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_

@@ -1,6 +1,5 @@
-"""How `MultiSteps` sees its state: on one device, or per device along a
-mesh axis (`axis_name`), where each device accumulates its own gradients and
-they are averaged once per window."""
+"""How `MultiSteps` sees its state: on one device, or per device along a mesh
+axis (`axis_name`), each accumulating its own gradients, averaged once per window."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jaxtyping import PyTree
 
 from .._leaves import is_none
@@ -45,28 +43,21 @@ class SingleDeviceState:
     def add_axis(self, tree: PyTree) -> PyTree:
         return tree
 
-    def drop_axis(self, acc: PyTree) -> PyTree:
-        return acc
+    drop_axis = agree = add_axis  # no axis to drop, no other device to agree with
 
     def check_gradients(self, grads: PyTree, acc: PyTree) -> None:
-        """Raises if the gradients vary over a mesh axis the accumulator
-        does not (a data-parallel step without `axis_name`)."""
+        """Raises if a gradient varies over a mesh axis its accumulator does not."""
         for where, _, g_axes, a_axes in _varying_axes_of(grads, acc):
             extra = sorted(g_axes - a_axes, key=str)
             if extra:
                 raise ValueError(
-                    "MultiSteps: inside `jax.shard_map`, the gradients at "
-                    f"{where} differ between devices along {extra}, but the "
-                    "accumulator for them in the state is the same on every "
-                    "device. To average the devices' gradients once per window, "
-                    f"build MultiSteps with axis_name={extra[0]!r} and its state "
-                    "with `opt.state_specs()`; for params that are split along "
-                    "that axis, build the state with `opt.init` inside "
-                    "`jax.shard_map` from those params, with their specs."
+                    f"MultiSteps: inside `jax.shard_map`, the gradients at {where} "
+                    f"differ between devices along {extra}, but their accumulator "
+                    "in the state does not. To average them once per window, pass "
+                    f"axis_name={extra[0]!r} and `opt.state_specs()` as the state's "
+                    "specs; for params split along that axis, `opt.init` the state "
+                    "inside `jax.shard_map` from them, with their specs."
                 )
-
-    def agree(self, should_skip: jax.Array) -> jax.Array:
-        return should_skip
 
     def index(self) -> jax.Array:
         """This device's index along the axis."""
@@ -80,7 +71,6 @@ class SingleDeviceState:
         self, acc: PyTree, accumulator: Accumulator, weight: Any, dtypes: PyTree
     ) -> tuple[PyTree, jax.Array | None]:
         """The window's accumulation, and whether its weights sum above 0."""
-        del accumulator, weight, dtypes
         return acc, None
 
 
@@ -95,18 +85,16 @@ class PerDeviceState(SingleDeviceState):
 
     def check_bound(self, method: str) -> None:
         try:
-            lax.axis_size(self.axis_name)
+            jax.lax.axis_size(self.axis_name)
         except NameError as e:
             built = f"MultiSteps(axis_name={self.axis_name!r})"
-            who = f"{built}.{method}"
-            if method == "apply_gradients":
-                who = f"optax_ext.apply_gradients with {built}"
+            fused = f"optax_ext.apply_gradients with {built}"
+            who = fused if method == "apply_gradients" else f"{built}.{method}"
             raise NameError(
-                f"{who} must run where the mesh axis {self.axis_name!r} is "
-                "bound, inside `jax.shard_map` (or `jax.vmap`/`jax.pmap` with "
-                "that axis_name), with the state's `acc_grads` and `skip_state` "
-                "split over it: pass `opt.state_specs()` as their in_specs and "
-                f"out_specs. ({e})"
+                f"{who} must run where the mesh axis {self.axis_name!r} is bound: "
+                "inside `jax.shard_map` (or `jax.vmap`/`jax.pmap` with that "
+                "axis_name), with `opt.state_specs()` as the in_specs and "
+                f"out_specs of the state's `acc_grads` and `skip_state`. ({e})"
             ) from None
 
     def spec(self) -> Any:
@@ -116,67 +104,57 @@ class PerDeviceState(SingleDeviceState):
         return jax.tree.map(lambda x: jnp.expand_dims(x, 0), tree)
 
     def drop_axis(self, acc: PyTree) -> PyTree:
-        def drop(path, x):
+        for path, x in jax.tree_util.tree_leaves_with_path(acc):
             if jnp.ndim(x) == 0 or jnp.shape(x)[0] != 1:
                 raise ValueError(
-                    f"MultiSteps(axis_name={self.axis_name!r}) expects this "
-                    "device's accumulator, with a leading axis of length 1, at "
-                    f"acc_grads{jax.tree_util.keystr(path)}; got shape "
-                    f"{jnp.shape(x)}. Build the state with `opt.init` inside "
-                    "`jax.shard_map` and pass `opt.state_specs()` as the "
-                    "state's in_specs and out_specs."
+                    f"MultiSteps(axis_name={self.axis_name!r}) expects this device's "
+                    "accumulator, with a leading axis of length 1, at acc_grads"
+                    f"{jax.tree_util.keystr(path)}; got shape {jnp.shape(x)}. Build "
+                    "the state with `opt.init` inside `jax.shard_map`, with "
+                    "`opt.state_specs()` as its in_specs and out_specs."
                 )
-            return x[0]
-
-        return jax.tree_util.tree_map_with_path(drop, acc)
+        return jax.tree.map(lambda x: x[0], acc)
 
     def check_gradients(self, grads: PyTree, acc: PyTree) -> None:
-        """Raises if a gradient is the same on every device while the
-        accumulator is not: while tracing, one `jax.grad` summed over the
-        devices cannot be told from a value built alike on each (zeros)."""
-        name = self.axis_name
+        """Raises if a gradient is the same on every device while its
+        accumulator is not (tracing cannot tell a summed `jax.grad` from zeros)."""
         for where, g, g_axes, a_axes in _varying_axes_of(grads, acc):
-            same = summed_axes(g_axes, a_axes, axis_names(name))
+            same = summed_axes(g_axes, a_axes, axis_names(self.axis_name))
             if same:
                 along = same[0] if len(same) == 1 else same
                 cast = varying_call(along)
+                zeros = cast.replace("params", "zeros", 1)
                 raise ValueError(
-                    f"MultiSteps(axis_name={name!r}) averages each device's own "
-                    f"gradients once per window, but the gradient at {where} "
-                    f"({describe_value(g)}) is the same on every device along "
-                    f"{along!r}. Either `jax.grad` summed it over the devices "
-                    "already (its params replicated under `jax.shard_map`), and "
-                    "averaging would scale it: take the gradient with respect "
-                    f"to `{cast}`. Or it is a value built the same on every "
-                    "device, such as `jnp.zeros` for a frozen leaf: pass `"
-                    + cast.replace("params", "zeros", 1)
-                    + "`, or `jnp.zeros_like` of the cast params' leaf."
+                    f"MultiSteps(axis_name={self.axis_name!r}) averages each "
+                    f"device's own gradients once per window, but the gradient at "
+                    f"{where} ({describe_value(g)}) is the same on every device "
+                    f"along {along!r}. If `jax.grad` summed it over the devices "
+                    "(replicated params under `jax.shard_map`), averaging would "
+                    f"scale it: differentiate with respect to `{cast}`. If it is "
+                    "built alike on every device, as `jnp.zeros` for a frozen leaf: "
+                    f"pass `{zeros}` or `jnp.zeros_like` of the cast params' leaf."
                 )
 
     def agree(self, should_skip: jax.Array) -> jax.Array:
         """Every device takes the same skip decision."""
-        votes = lax.psum(should_skip.astype(jnp.int32), self.axis_name)
-        return votes > 0
+        return jax.lax.psum(should_skip.astype(jnp.int32), self.axis_name) > 0
 
     def index(self) -> jax.Array:
-        return lax.axis_index(self.axis_name)
+        return jax.lax.axis_index(self.axis_name)
 
     def total(self, tree: PyTree) -> tuple[PyTree, int]:
-        return lax.psum(tree, self.axis_name), lax.axis_size(self.axis_name)
+        return jax.lax.psum(tree, self.axis_name), jax.lax.axis_size(self.axis_name)
 
     def finish(
         self, acc: PyTree, accumulator: Accumulator, weight: Any, dtypes: PyTree
     ) -> tuple[PyTree, jax.Array | None]:
-        """Every device's accumulators and weights meet in one all-reduce,
-        in the accumulator's dtype (the gradients' where it is narrower)."""
+        """Every device's accumulators and weights meet in one all-reduce."""
         leaves, treedef = jax.tree.flatten(acc)
-        kinds = [accumulator] * len(leaves)
-        mine = [a[0] for a in leaves]
+        kinds, mine = [accumulator] * len(leaves), [a[0] for a in leaves]
         values, total = reduce_across(kinds, mine, weight, self.axis_name)
         pairs = zip(values, leaves, jax.tree.leaves(dtypes), strict=True)
         values = [v.astype(a.dtype if holds(a.dtype, d) else d) for v, a, d in pairs]
-        keep = None if total is None else total > 0
-        return jax.tree.unflatten(treedef, values), keep
+        return treedef.unflatten(values), None if total is None else total > 0
 
 
 def device_state(axis_name: Hashable | None) -> SingleDeviceState:
