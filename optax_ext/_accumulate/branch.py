@@ -57,10 +57,11 @@ class _Traced:
             traced = call.trace(*args)
             closed, self.out_def = traced.jaxpr, jax.tree.structure(traced.out_info)
         self.out_avals, jaxpr = list(closed.out_avals), closed.jaxpr
-        n_state, first = len(jax.tree.leaves(state)), len(jax.tree.leaves(operands))
-        self.n_updates = len(self.out_avals) - n_state  # updates (or carry), state
+        n_state = len(jax.tree.leaves(state))  # outputs: updates (or carry), state
+        self.n_updates = n_updates = len(self.out_avals) - n_state
+        first = len(jaxpr.invars) - n_state - len(jax.tree.leaves(carry))
         old = jaxpr.invars[first : first + n_state]  # the state's inputs
-        self.to_order = xla.old_value_read_first(jaxpr, old, self.n_updates)
+        self.to_order = xla.old_value_read_first(jaxpr, old, n_updates)
 
     def leaves(self, operands: tuple, state: PyTree, carry: PyTree) -> list:
         """The output leaves in their avals (eager constants are Python or NumPy)."""
