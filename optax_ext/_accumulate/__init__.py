@@ -1,3 +1,2 @@
-"""The accumulation core: `MultiSteps`' kinds (`accumulations`), the folds it
-shares with `microbatched` (`accumulator`, `arithmetic`), `devices`, `window`,
-`branch` (an inner optimizer on some steps only) and XLA's mechanisms (`xla`)."""
+"""The accumulation core: `MultiSteps`' kinds (`accumulations`), folds shared with
+`microbatched` (`accumulator`, `arithmetic`), `devices`, `window`, `branch`, `xla`."""

@@ -36,11 +36,10 @@ def choose_form(fused: bool, emit: bool | None, per_device: bool) -> Form:
 
 def _step(inner_update: Callable, operands: tuple, inner_state: PyTree, carry):
     """`inner_update` called, its new state (and carry) in the old avals."""
-    if carry is None:
-        new_updates, new_state = inner_update(*operands, inner_state)
-        return new_updates, conform_state(new_state, inner_state)
-    new_carry, new_state = inner_update(*operands, inner_state, carry)
-    return conform_state(new_carry, carry), conform_state(new_state, inner_state)
+    given = () if carry is None else (carry,)
+    out, new_state = inner_update(*operands, inner_state, *given)
+    out = out if carry is None else conform_state(out, carry)
+    return out, conform_state(new_state, inner_state)
 
 
 class _Traced:
@@ -75,16 +74,16 @@ def _conditional(pred, traced, operands, state, carry, counter, on) -> tuple:
     ran, kept = counter
 
     def run(operands, state, carry, seed):
-        (operands, state), count = xla.scalar_barrier((operands, state), ran, on)
+        operands, state, count = xla.scalar_barrier((operands, state, ran), on)
         leaves = traced.leaves(operands, state, carry)
-        leaves = xla.state_after_updates(leaves, traced.n_updates, traced.to_order, on)
+        leaves = xla.state_after_updates(leaves, traced.to_order, on)
         return *jax.tree.unflatten(traced.out_def, leaves), count
 
     def skip(operands, state, carry, seed):
-        if carry is not None:
-            return carry, state, kept
-        zeros = xla.distinct_zeros(traced.out_avals[: traced.n_updates], seed, on)
-        return jax.tree.unflatten(traced.out_def.children()[0], zeros), state, kept
+        if carry is None:
+            zeros = xla.distinct_zeros(traced.out_avals[: traced.n_updates], seed, on)
+            carry = jax.tree.unflatten(traced.out_def.children()[0], zeros)
+        return carry, state, kept
 
     seed = lax.convert_element_type(pred, jnp.int32)  # the zeros': XLA can't fold it
     return lax.cond(pred, run, skip, operands, state, carry, seed)

@@ -3,7 +3,6 @@ where the window ends, the inner optimizer on it in the step's `Form`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -65,15 +64,32 @@ def _arrays_at(tree: PyTree, like: PyTree) -> PyTree:
     return jax.tree.map(pick, tree, like, is_leaf=is_none)
 
 
-def _inner_step(
-    window: Window, inputs: StepInputs, step: MiniStep, fused: bool, dtypes: PyTree
-) -> Callable:
-    """The inner optimizer on `(acc, (state, held, reports)[, arrays])`, each
-    output kept (updates zero) where the devices find the window held nothing."""
+def run_window(
+    window: Window,
+    form: Form,
+    fused: bool,
+    step: MiniStep,
+    inputs: StepInputs,
+    acc: PyTree,
+    inner_state: PyTree,
+) -> tuple[PyTree, PyTree, PyTree, dict, jax.Array]:
+    """One mini-step: the updates (`fused`: the new params), the inner state,
+    the new accumulator and carry, and whether the inner optimizer ran."""
     kind, devices, extra = window.accumulation, window.devices, inputs.extra_args
-    inner, fusable = window.inner, window.fusable_inner
+    inner, fusable, on = window.inner, window.fusable_inner, window.mechanisms
+    acc, carry = kind.fold(acc, step.carry, inputs, step, devices)
+    decides = kind.may_be_empty and devices.per_device
+    dtypes = jax.tree.map(lambda g: jnp.result_type(g), inputs.grads)
+    pred, ready = step.window_end, kind.ready(step)
+    if ready is not None and not decides:
+        pred = jnp.logical_and(pred, ready)
+    # Only the params' arrays go through the conditional.
+    arrays = _arrays_at(inputs.params, inputs.params) if fused else None
+    reports = kind.reports(carry)
+    state_in = (inner_state, jnp.zeros((), jnp.bool_) if decides else (), reports)
 
     def run(acc: PyTree, wrapped: tuple, arrays: PyTree = None) -> tuple:
+        """The inner optimizer, its outputs kept (updates zero) on an empty window."""
         state, _, reports = wrapped
         grads, keep, new_reports = kind.finalize(acc, reports, step, devices, dtypes)
         if fused:
@@ -89,36 +105,10 @@ def _inner_step(
         out, new, new_reports = jax.tree.map(pick, (out, new, new_reports), old)
         return out, (new, keep, new_reports)
 
-    return run
-
-
-def run_window(
-    window: Window,
-    form: Form,
-    fused: bool,
-    step: MiniStep,
-    inputs: StepInputs,
-    acc: PyTree,
-    inner_state: PyTree,
-) -> tuple[PyTree, PyTree, PyTree, dict, jax.Array]:
-    """One mini-step: the updates (`fused`: the new params), the inner state,
-    the new accumulator and carry, and whether the inner optimizer ran."""
-    kind = window.accumulation
-    acc, carry = kind.fold(acc, step.carry, inputs, step, window.devices)
-    decides = kind.may_be_empty and window.devices.per_device
-    dtypes = jax.tree.map(lambda g: jnp.result_type(g), inputs.grads)
-    pred, ready = step.window_end, kind.ready(step)
-    if ready is not None and not decides:
-        pred = jnp.logical_and(pred, ready)
-    # Only the params' arrays go through the conditional.
-    arrays = _arrays_at(inputs.params, inputs.params) if fused else None
-    reports = kind.reports(carry)
-    state_in = (inner_state, jnp.zeros((), jnp.bool_) if decides else (), reports)
     if form is Form.FOLD:
         out = arrays if fused else jax.tree.map(jnp.zeros_like, inputs.params)
         state_out, ran = state_in, pred
     else:
-        run, on = _inner_step(window, inputs, step, fused, dtypes), window.mechanisms
         out, state_out, count, (cleared,) = update_if(
             pred, run, (acc,), state_in, carry=arrays, form=form, mechanisms=on
         )
@@ -126,7 +116,6 @@ def run_window(
         same = jax.tree.map(lambda a, d: jnp.result_type(a) == d, acc, dtypes)
         acc = jax.tree.map(lambda c, a, s: c if s else a, cleared, acc, same)
         ran = count == 1
-    if fused:
-        out = merge_trainable(inputs.params, out)
+    out = merge_trainable(inputs.params, out) if fused else out
     inner_state, held, reports = state_out
     return out, inner_state, acc, {**carry, **reports}, held if decides else ran

@@ -14,13 +14,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jaxtyping import PyTree
 
-from .._sharding import (
-    aval_varying_axes,
-    cast_varying,
-    sharded_type,
-    typed_sharding,
-    varying_axes,
-)
+from .. import _sharding
 from .._static import ConfigKey
 
 
@@ -49,15 +43,12 @@ def read_token(tree: PyTree) -> jax.Array | None:
     """A bool scalar, always `True`, that XLA computes after every array of
     `tree` and cannot fold; `None` where no leaf can be read."""
     leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-    if any(varying_axes(x) or typed_sharding(x) for x in leaves):
+    if any(_sharding.varying_axes(x) or _sharding.typed_sharding(x) for x in leaves):
         return None
     bits = []  # each first element's (its real part's), as uint32
     for x in [y for y in leaves if y.size and jnp.issubdtype(y.dtype, jnp.number)]:
-        first = lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ())
-        if jnp.issubdtype(first.dtype, jnp.complexfloating):
-            first = lax.real(first)
-        width = jnp.dtype(first.dtype).itemsize * 8
-        if width in (8, 16, 32, 64):  # else no bit cast
+        first = jnp.real(lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ()))
+        if (width := jnp.dtype(first.dtype).itemsize * 8) in (8, 16, 32, 64):
             first = lax.bitcast_convert_type(first, jnp.dtype(f"uint{width}"))
             bits.append(lax.convert_element_type(first, jnp.uint32))
     if not bits:
@@ -68,9 +59,11 @@ def read_token(tree: PyTree) -> jax.Array | None:
     return lax.optimization_barrier(lax.reduce_and(ones, (0,)))
 
 
-def _cpu_passes_through(jaxpr: Any) -> dict:
-    """Platform choices' outputs that XLA:CPU's branch passes through, to inputs."""
-    alias = {}
+def old_value_read_first(jaxpr: Any, old: list, n_updates: int) -> list[bool]:
+    """Per state input `old` of `jaxpr`, whether on XLA:CPU the updates read only
+    it, not the state's new value (Lion's `mu`)."""
+    var = lambda v: isinstance(v, jex_core.Var)  # not a literal
+    alias = {}  # platform choices' outputs that XLA:CPU's branch passes through
     for eqn in jaxpr.eqns:
         platforms = eqn.params.get("branches_platforms") or ()
         on_cpu = [i for i, p in enumerate(platforms) if p is None or "cpu" in p]
@@ -79,44 +72,32 @@ def _cpu_passes_through(jaxpr: Any) -> dict:
         branch = eqn.params["branches"][min(on_cpu, key=lambda i: platforms[i] is None)]
         given = {v: k for k, v in enumerate(branch.jaxpr.invars)}
         for out, inner in zip(eqn.outvars, branch.jaxpr.outvars, strict=True):
-            if isinstance(inner, jex_core.Var) and inner in given:
+            if var(inner) and inner in given:
                 alias[out] = eqn.invars[1 + given[inner]]
-    return alias
-
-
-def old_value_read_first(jaxpr: Any, old: list, n_updates: int) -> list[bool]:
-    """Per state input `old` of `jaxpr`, whether on XLA:CPU the updates read only
-    it, not the state's new value (Lion's `mu`)."""
-    var = lambda v: isinstance(v, jex_core.Var)  # not a literal
     needed = set(filter(var, jaxpr.outvars[:n_updates]))
     for eqn in reversed(jaxpr.eqns):
         if any(v in needed for v in eqn.outvars):
             needed |= set(filter(var, eqn.invars))
-    alias = _cpu_passes_through(jaxpr)
     new = [alias.get(n, n) if var(n) else n for n in jaxpr.outvars[n_updates:]]
     only_old = lambda o, n: o in needed and not (var(n) and n in needed)
     return [only_old(o, n) for o, n in zip(old, new, strict=True)]
 
 
-def state_after_updates(
-    leaves: list[jax.Array], n_updates: int, to_order: list[bool], on: Mechanisms
-) -> list[jax.Array]:
-    """On XLA:CPU, `to_order`'s states after all updates, to be written in place."""
-    ordered = [  # a typed key is no number
-        i
-        for i, o in enumerate(to_order, n_updates)
-        if o and leaves[i].size > 1 and jnp.issubdtype(leaves[i].dtype, jnp.number)
-    ]
-    unreadable = any(varying_axes(x) or typed_sharding(x) for x in leaves)
-    if not n_updates or not ordered or unreadable or not on.state_after_updates:
+def state_after_updates(leaves: list, to_order: list[bool], on: Mechanisms) -> list:
+    """On XLA:CPU, `to_order`'s states (the last leaves) after all updates, in place."""
+    n_updates = len(leaves) - len(to_order)
+    number = lambda x: x.size > 1 and jnp.issubdtype(x.dtype, jnp.number)  # no key
+    ordered = [i for i, o in enumerate(to_order, n_updates) if o and number(leaves[i])]
+    if not ordered or not on.state_after_updates:
+        return leaves
+    if any(_sharding.varying_axes(x) or _sharding.typed_sharding(x) for x in leaves):
         return leaves
 
     def after(updates, state):
         updates = lax.optimization_barrier(updates)
-        token = read_token(updates)
-        if token is None:
-            return updates, state
-        return updates, [lax.select(token, x, lax.full_like(x, 0)) for x in state]
+        if (token := read_token(updates)) is not None:
+            state = [lax.select(token, x, lax.full_like(x, 0)) for x in state]
+        return updates, state
 
     operands = (leaves[:n_updates], [leaves[i] for i in ordered])
     updates, state = lax.platform_dependent(*operands, cpu=after, default=lambda *a: a)
@@ -124,54 +105,42 @@ def state_after_updates(
     return [new.get(i, x) for i, x in enumerate(leaves)]
 
 
-def scalar_barrier(
-    tree: PyTree, ran: jax.Array, on: Mechanisms
-) -> tuple[PyTree, jax.Array]:
-    """The scalars of `tree`, and `ran`, behind one barrier per set of varying axes."""
+def scalar_barrier(tree: PyTree, on: Mechanisms) -> PyTree:
+    """The scalars of `tree` behind one barrier per set of varying axes."""
     if not on.scalar_barrier:
-        return tree, ran
+        return tree
     leaves, treedef = jax.tree.flatten(tree)
     groups: dict[frozenset, list[int]] = {}
     for i, x in enumerate(leaves):
         if isinstance(x, jax.Array) and x.ndim == 0:
-            groups.setdefault(varying_axes(x) or frozenset(), []).append(i)
-    ran_axes = varying_axes(ran) or frozenset()
-    if ran_axes not in groups:
-        ran = lax.optimization_barrier(ran)
-    for axes, indices in groups.items():
-        values = [leaves[i] for i in indices]
-        if axes == ran_axes:
-            *values, ran = lax.optimization_barrier([*values, ran])
-        else:
-            values = lax.optimization_barrier(values)
+            groups.setdefault(_sharding.varying_axes(x) or frozenset(), []).append(i)
+    for indices in groups.values():
+        values = lax.optimization_barrier([leaves[i] for i in indices])
         for i, x in zip(indices, values, strict=True):
             leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves), ran
+    return jax.tree.unflatten(treedef, leaves)
 
 
 DISTINCT_ZEROS_MIN_SIZE = 1 << 16  # from this many elements, a leaf's own zeros
 
 
-def distinct_zeros(
-    avals: list[Any], seed: jax.Array | None, on: Mechanisms
-) -> list[jax.Array]:
-    """Zeros of `avals`, each large one `float(seed + i) * 0`, which XLA neither
-    folds nor merges; plain zeros without a traced `seed`."""
-    seed = seed if on.distinct_zeros else None
+def distinct_zeros(avals: list, seed: jax.Array, on: Mechanisms) -> list[jax.Array]:
+    """Zeros of `avals`, each large inexact one `float(seed + i) * 0`, which XLA
+    neither folds nor merges (`on.distinct_zeros`; else plain zeros)."""
     out = []
     for i, aval in enumerate(avals):
-        dtype = jnp.dtype(aval.dtype)
-        small = aval.size < DISTINCT_ZEROS_MIN_SIZE
-        if seed is None or small or not jnp.issubdtype(dtype, jnp.inexact):
+        dtype, small = aval.dtype, aval.size < DISTINCT_ZEROS_MIN_SIZE
+        if not on.distinct_zeros or small or not jnp.issubdtype(dtype, jnp.inexact):
             zero = lax.full((), 0, dtype)
         else:
             real = jnp.finfo(dtype).dtype  # the real part's dtype for complex
             factor = lax.convert_element_type(seed + i, real)
             zero = lax.convert_element_type(factor * lax.full((), 0, real), dtype)
-        sharding = aval.sharding if sharded_type(aval) else None  # `Explicit` axes
-        z = lax.full(aval.shape, zero, dtype, sharding=sharding)
-        axes = (aval_varying_axes(aval) or set()) - (varying_axes(z) or set())
-        out.append(cast_varying(z, tuple(sorted(axes))) if axes else z)
+        explicit = aval.sharding if _sharding.sharded_type(aval) else None
+        z = lax.full(aval.shape, zero, dtype, sharding=explicit)
+        axes = _sharding.aval_varying_axes(aval) or set()
+        axes -= _sharding.varying_axes(z) or set()
+        out.append(_sharding.cast_varying(z, tuple(sorted(axes))) if axes else z)
     return out
 
 
