@@ -122,13 +122,20 @@ class MultiSteps(Configured):
         self._key = config_key(*given, axis_name, weighted, stochastic, noise, on)
         parts = (NoiseScale(),) if noise else ()
         kind = (Weighted if weighted else Plain)(use_grad_mean, parts, stochastic)
-        every_k = checks.validate_every_k(every_k_schedule)
-        skip_fn = checks.check_skip_fn(should_skip_update_fn)
-        # The inner optimizer wrapped and as given: `apply_gradients` fuses
+        # `fusable_inner`, the inner optimizer as given: `apply_gradients` fuses
         # through a nested MultiSteps or skip_when, which the wrapper would hide.
-        inner, devices = (with_extra_args(opt), opt), device_state(axis_name)
-        self._window = Window(*inner, devices, kind, dtype, {}, every_k, skip_fn, on)
-        self._devices, self._accumulation = devices, kind
+        self._window = Window(
+            inner=with_extra_args(opt),
+            fusable_inner=opt,
+            devices=device_state(axis_name),
+            accumulation=kind,
+            accumulator_dtype=dtype,
+            inner_structures={},
+            every_k_schedule=checks.validate_every_k(every_k_schedule),
+            should_skip_update_fn=checks.check_skip_fn(should_skip_update_fn),
+            mechanisms=on,
+        )
+        self._devices, self._accumulation = self._window.devices, kind
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
@@ -171,7 +178,7 @@ class MultiSteps(Configured):
         """Accumulates `updates`; returns the inner optimizer's updates on the
         last mini-step of a window and zeros otherwise. With `weighted=True`,
         pass `weight=` (not forwarded to the inner optimizer)."""
-        return self._step(updates, state, params, extra_args, fused=False, emit=None)
+        return self._step(updates, state, params, extra_args, fused=False)
 
     def _apply_gradients(
         self,
@@ -186,9 +193,16 @@ class MultiSteps(Configured):
         return self._step(grads, state, params, extra_args, fused=True, emit=emit)
 
     def _step(
-        self, grads: Any, state: State, params: Any, extra: dict, fused: bool, emit: Any
+        self,
+        grads: PyTree,
+        state: State,
+        params: PyTree | None,
+        extra: dict[str, Any],
+        *,
+        fused: bool,
+        emit: bool | None = None,
     ) -> tuple[PyTree, State]:
-        """`update` (`fused=False`, `emit=None`) or `_apply_gradients`."""
+        """`update` (`fused=False`) or `_apply_gradients`."""
         method = "apply_gradients" if fused else "update"
         inputs = checks.prepare_step(self._window, grads, state, params, extra, method)
         step = self._decide(inputs, state, emit)

@@ -462,3 +462,54 @@ def test_apply_gradients_without_params_is_named():
         state = opt.init({"w": jnp.ones(3)})
         with pytest.raises(TypeError, match=r"apply_gradients: params is None"):
             optax_ext.apply_gradients(opt, {"w": jnp.ones(3)}, state, None)
+
+
+def _changing_state(change):
+    """sgd whose `update` returns its state changed by `change`."""
+    inner = optax.sgd(1.0)
+    return optax.GradientTransformation(
+        inner.init,
+        lambda g, s, p=None: (inner.update(g, s, p)[0], change(s)),
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: (s, optax.EmptyState()),
+        lambda s: jnp.zeros(3),
+        lambda s: (*s, jnp.zeros(2)),
+    ],
+)
+@pytest.mark.parametrize("form", ["update", "apply_gradients"])
+def test_inner_state_that_changes_its_tree_is_named(change, form):
+    """A state kept on some mini-steps must keep its tree: the step that
+    would carry it names both trees (not a bare `lax.cond` type error)."""
+    opt = optax_ext.MultiSteps(_changing_state(change), every_k_schedule=2)
+    params = {"w": jnp.zeros(2)}
+    state = opt.init(params)
+    step = (
+        (lambda g, s: opt.update(g, s, params))
+        if form == "update"
+        else (lambda g, s: optax_ext.apply_gradients(opt, g, s, params))
+    )
+    with pytest.raises(
+        ValueError,
+        match="inner optimizer's new state does not match the inner state it was given",
+    ):
+        jax.jit(step)({"w": jnp.ones(2)}, state)
+
+
+def test_inner_state_that_changes_its_shapes_is_named():
+    inner = optax.scale_by_adam()
+    grow = lambda s: s._replace(mu=jax.tree.map(lambda m: jnp.zeros(3), s.mu))
+    tx = optax.GradientTransformation(
+        inner.init, lambda g, s, p=None: (inner.update(g, s, p)[0], grow(s))
+    )
+    opt = optax_ext.MultiSteps(tx, every_k_schedule=2)
+    state = opt.init({"w": jnp.zeros(2)})
+    with pytest.raises(
+        ValueError,
+        match=r"At .*mu\['w'\] the inner optimizer's new state have shape \(3,\)",
+    ):
+        opt.update({"w": jnp.ones(2)}, state)

@@ -39,7 +39,14 @@ class Accumulator:
             weight = total / jnp.where(nothing, jnp.ones_like(weight), weight)
         return Weights(total, before == 0, nothing, weight)
 
-    def fold(self, g: Any, acc: Any, index: Any, w: Any, key: Any = None) -> Any:
+    def fold(
+        self,
+        g: Any,
+        acc: jax.Array,
+        index: jax.Array,
+        w: Weights | None,
+        key: Any = None,
+    ) -> jax.Array:
         """`acc` with `g` folded in as the `index`-th value (from 0), the first
         selected: Welford's mean `acc + (g - acc) / (index + 1)` or the sum;
         with `Weights` `w`, `acc + (g - acc) / (W / w)` or `acc + w g`, a

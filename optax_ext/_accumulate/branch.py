@@ -14,7 +14,7 @@ from jax.extend import core as jex_core
 from jaxtyping import PyTree
 
 from .._leaves import is_typed_key
-from .._tree import cast_like, check_same_shapes
+from .._tree import cast_like, check_same_shapes, check_same_structure
 from . import xla
 
 
@@ -147,29 +147,15 @@ def known_bool(x: Any) -> bool | None:
 
 
 def conform_state(new: PyTree, old: PyTree) -> PyTree:
-    """The inner optimizer's new state in its old dtypes and weak types."""
-    new_def, old_def = jax.tree.structure(new), jax.tree.structure(old)
-    if new_def != old_def:
-        raise ValueError(
-            f"The inner optimizer returned a state of tree structure {new_def}, not "
-            f"{old_def} as given: a state kept on some steps must keep its structure."
-        )
-    check_same_shapes(
-        old,
-        new,
+    """The inner optimizer's new state in its old dtypes and weak types (a typed
+    key as it is)."""
+    names = dict(
         expected_name="the inner state it was given",
         got_name="the inner optimizer's new state",
-        hint="a state that is kept on some steps must keep its shapes.",
+        hint="a state kept on some steps must keep its tree and shapes.",
     )
-
-    def conform(path: Any, o: Any, n: Any) -> Any:
-        if not is_typed_key(o):
-            return cast_like(n, o)
-        if n.dtype != o.dtype:
-            raise ValueError(
-                f"The inner optimizer changed the key type of its state leaf at "
-                f"{jax.tree_util.keystr(path)} from {o.dtype} to {n.dtype}."
-            )
-        return n
-
-    return jax.tree_util.tree_map_with_path(conform, old, new)
+    check_same_structure(old, new, **names)
+    check_same_shapes(old, new, **names)
+    return jax.tree.map(
+        lambda o, n: n if is_typed_key(o) else cast_like(n, o), old, new
+    )

@@ -148,7 +148,8 @@ class PerDeviceState(SingleDeviceState):
     def finish(
         self, acc: PyTree, accumulator: Accumulator, weight: Any, dtypes: PyTree
     ) -> tuple[PyTree, jax.Array | None]:
-        """Every device's accumulators and weights meet in one all-reduce."""
+        """Every device's accumulators and weights meet in one all-reduce, in
+        the accumulator's dtype (the gradients' where it is narrower)."""
         leaves, treedef = jax.tree.flatten(acc)
         kinds, mine = [accumulator] * len(leaves), [a[0] for a in leaves]
         values, total = reduce_across(kinds, mine, weight, self.axis_name)
