@@ -176,15 +176,22 @@ def _skip_multidevice(items):
 
 class WindowForm(NamedTuple):
     """A form of the drop-in's step (`window_form`): `form(opt)` is the
-    `MultiSteps` `opt` configured to run in it."""
+    `MultiSteps` `opt` configured to run in it. "every step" clears the
+    accumulator where a window ends, as on a TPU; a GPU's form keeps it
+    (`clear=False`)."""
 
     name: str
 
-    def __call__(self, opt):
+    def __call__(self, opt, clear=True):
         from optax_ext._accumulate import xla
 
-        on = {"cpu", "cuda", "rocm", "tpu"} if self.name == "conditional" else ()
-        return xla.configured(opt, drop_in_conditional_on=frozenset(on))
+        every = frozenset({"cpu", "cuda", "rocm", "tpu"})
+        conditional = self.name == "conditional"
+        return xla.configured(
+            opt,
+            drop_in_conditional_on=every if conditional else frozenset(),
+            clear_when_selected_on=every if clear else frozenset(),
+        )
 
 
 @pytest.fixture(params=["conditional", "every step"])

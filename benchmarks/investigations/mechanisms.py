@@ -73,7 +73,7 @@ VARIANTS = {
     "no clearing": (
         "on GPUs and TPUs, the drop-in's accumulator zeroed where its window "
         "ends, as optax.MultiSteps does",
-        {"clear_when_selected": False},
+        {"clear_when_selected_on": frozenset()},
     ),
     "drop-in in a conditional": (
         "on GPUs and TPUs, the inner optimizer on every mini-step of the "

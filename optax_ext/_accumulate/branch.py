@@ -129,7 +129,7 @@ def update_if(
         result, new_state, count = _selected(*args)
     elif form is Form.PER_PLATFORM:
         (result, new_state, count), operands = xla.per_platform(
-            lambda: (_selected(*args), xla.cleared(pred, operands, mechanisms)),
+            lambda clear: (_selected(*args), xla.cleared(pred, operands, clear)),
             lambda: (_conditional(*args, mechanisms), operands),
             mechanisms,
         )

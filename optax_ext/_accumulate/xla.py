@@ -26,7 +26,7 @@ class Mechanisms:
     scalar_barrier: bool = True
     distinct_zeros: bool = True
     state_after_updates: bool = True
-    clear_when_selected: bool = True
+    clear_when_selected_on: frozenset[str] = frozenset({"tpu"})
 
 
 def configured(opt: Any, **changes: Any) -> Any:
@@ -144,18 +144,24 @@ def distinct_zeros(avals: list, seed: jax.Array, on: Mechanisms) -> list[jax.Arr
     return out
 
 
-def cleared(pred: jax.Array, tree: PyTree, on: Mechanisms) -> PyTree:
-    """`tree` zeroed where `pred`, as optax.MultiSteps clears its accumulator."""
-    if not on.clear_when_selected:
+def cleared(pred: jax.Array, tree: PyTree, clear: bool) -> PyTree:
+    """`tree` zeroed where `pred` if `clear`, as optax.MultiSteps clears it."""
+    if not clear:
         return tree
     return jax.tree.map(lambda a: jnp.where(pred, jnp.zeros_like(a), a), tree)
 
 
 def per_platform(selected: Callable, conditional: Callable, on: Mechanisms) -> Any:
-    """`conditional()` on the platforms `on.drop_in_conditional_on` names,
-    `selected()` on the others, chosen when the program is lowered."""
-    pick = lambda p: conditional if p in on.drop_in_conditional_on else selected
+    """`conditional()` on the platforms `on.drop_in_conditional_on` names, else
+    `selected(clear)`, `clear` on `on.clear_when_selected_on`'s; chosen when
+    the program is lowered."""
+
+    def pick(platform: str | None) -> Callable:
+        if platform in on.drop_in_conditional_on:
+            return conditional
+        return lambda: selected(platform in on.clear_when_selected_on)
+
     if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
         return pick(jax.default_backend())()
     forms = {p: pick(p) for p in ("cpu", "cuda", "rocm", "tpu")}
-    return lax.platform_dependent(**forms, default=selected)
+    return lax.platform_dependent(**forms, default=pick(None))
