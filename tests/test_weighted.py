@@ -372,6 +372,18 @@ def test_state_of_the_other_kind_is_refused():
         )
 
 
+@pytest.mark.parametrize(
+    "acc_weight", [jnp.zeros((), jnp.int32), jnp.zeros(3), [0.0]], ids=str
+)
+def test_running_weight_of_another_kind_is_named(acc_weight):
+    """A restored `acc_weight` that is no float scalar (an int, a vector, a
+    list) is named with what was given, before it reaches the fold."""
+    opt, params = _opt(), params32()
+    state = opt.init(params)._replace(acc_weight=acc_weight)
+    with pytest.raises(TypeError, match=r"`state\.acc_weight` must be a float scalar"):
+        opt.update(params, state, params, weight=1)
+
+
 def test_weighted_state_has_no_optax_form():
     """`optax_state` refuses a weighted state: optax.MultiSteps would take
     it, read its fields by name and drop `acc_weight` without a word."""

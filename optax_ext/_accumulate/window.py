@@ -3,6 +3,7 @@ where the window ends, the inner optimizer on it in the step's `Form`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -64,6 +65,33 @@ def _arrays_at(tree: PyTree, like: PyTree) -> PyTree:
     return jax.tree.map(pick, tree, like, is_leaf=is_none)
 
 
+def _inner_step(
+    window: Window, inputs: StepInputs, step: MiniStep, fused: bool, dtypes: PyTree
+) -> Callable:
+    """The inner optimizer on `(acc, (state, held, reports)[, arrays])`, its
+    outputs kept (updates zero) where the devices find the window empty."""
+    kind, devices, extra = window.accumulation, window.devices, inputs.extra_args
+
+    def run(acc: PyTree, wrapped: tuple, arrays: PyTree = None) -> tuple:
+        state, _, reports = wrapped
+        grads, keep, new_reports = kind.finalize(acc, reports, step, devices, dtypes)
+        if fused:
+            params = merge_trainable(inputs.params, arrays)
+            fusable = window.fusable_inner  # `with_extra_args` would hide its kind
+            out, new = step_and_apply(fusable, grads, state, params, **extra)
+            out = _arrays_at(out, arrays)
+        else:
+            out, new = window.inner.update(grads, state, inputs.params, **extra)
+        if keep is None:
+            return out, (new, (), new_reports)
+        pick = lambda n, o: jnp.where(keep, n, o)
+        old = (arrays if fused else jax.tree.map(jnp.zeros_like, out), state, reports)
+        out, new, new_reports = jax.tree.map(pick, (out, new, new_reports), old)
+        return out, (new, keep, new_reports)
+
+    return run
+
+
 def run_window(
     window: Window,
     form: Form,
@@ -75,8 +103,7 @@ def run_window(
 ) -> tuple[PyTree, PyTree, PyTree, dict, jax.Array]:
     """One mini-step: the updates (`fused`: the new params), the inner state,
     the new accumulator and carry, and whether the inner optimizer ran."""
-    kind, devices, extra = window.accumulation, window.devices, inputs.extra_args
-    inner, fusable, on = window.inner, window.fusable_inner, window.mechanisms
+    kind, devices = window.accumulation, window.devices
     acc, carry = kind.fold(acc, step.carry, inputs, step, devices)
     decides = kind.may_be_empty and devices.per_device
     dtypes = jax.tree.map(lambda g: jnp.result_type(g), inputs.grads)
@@ -87,28 +114,11 @@ def run_window(
     arrays = _arrays_at(inputs.params, inputs.params) if fused else None
     reports = kind.reports(carry)
     state_in = (inner_state, jnp.zeros((), jnp.bool_) if decides else (), reports)
-
-    def run(acc: PyTree, wrapped: tuple, arrays: PyTree = None) -> tuple:
-        """The inner optimizer, its outputs kept (updates zero) on an empty window."""
-        state, _, reports = wrapped
-        grads, keep, new_reports = kind.finalize(acc, reports, step, devices, dtypes)
-        if fused:
-            params = merge_trainable(inputs.params, arrays)
-            out, new = step_and_apply(fusable, grads, state, params, **extra)
-            out = _arrays_at(out, arrays)
-        else:
-            out, new = inner.update(grads, state, inputs.params, **extra)
-        if keep is None:
-            return out, (new, (), new_reports)
-        pick = lambda n, o: jnp.where(keep, n, o)
-        old = (arrays if fused else jax.tree.map(jnp.zeros_like, out), state, reports)
-        out, new, new_reports = jax.tree.map(pick, (out, new, new_reports), old)
-        return out, (new, keep, new_reports)
-
     if form is Form.FOLD:
         out = arrays if fused else jax.tree.map(jnp.zeros_like, inputs.params)
         state_out, ran = state_in, pred
     else:
+        run, on = _inner_step(window, inputs, step, fused, dtypes), window.mechanisms
         out, state_out, count, (cleared,) = update_if(
             pred, run, (acc,), state_in, carry=arrays, form=form, mechanisms=on
         )
