@@ -90,9 +90,10 @@ class Plain:
             )
         have = tuple(getattr(state, "_fields", ()))[len(OPTAX_FIELDS) :]
         if have != self.own:
-            lacks = [f"no {f}" for f in self.own if f not in have] + ["other fields"]
+            missing = [f for f in self.own if f not in have]
+            lacks = f"no {missing[0]}" if missing else "other fields"
             raise TypeError(
-                f"{names[0]}'s `{names[1]}` has {lacks[0]}: got a "
+                f"{names[0]}'s `{names[1]}` has {lacks}: got a "
                 f"{type(state).__name__} with the fields {list(have)} after optax's, "
                 f"where this MultiSteps' init returns {list(self.own)}. Build both "
                 "with the same arguments (weighted=, noise_scale=) or use this init."

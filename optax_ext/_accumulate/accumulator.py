@@ -35,9 +35,10 @@ class Accumulator:
         """The scalars of folding a value of `weight` after `before`."""
         total = before + weight
         nothing = weight == 0
+        scale = weight
         if self.mean:
-            weight = total / jnp.where(nothing, jnp.ones_like(weight), weight)
-        return Weights(total, before == 0, nothing, weight)
+            scale = total / jnp.where(nothing, jnp.ones_like(weight), weight)
+        return Weights(total, before == 0, nothing, scale)
 
     def fold(
         self,
