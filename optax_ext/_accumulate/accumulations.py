@@ -293,7 +293,8 @@ def gradient_noise_scale(state: Any) -> tuple[jax.Array, jax.Array]:
     carry = getattr(state, "noise_scale", None)
     if not isinstance(carry, NoiseScaleState):
         raise TypeError(
-            "optax_ext.gradient_noise_scale needs the whole state of a MultiSteps(..., "
-            f"noise_scale=True), not its inner_opt_state; got {describe_value(state)}."
+            "optax_ext.gradient_noise_scale needs the state of a MultiSteps(..., "
+            f"noise_scale=True), whole, not its inner_opt_state; got "
+            f"{describe_value(state)}."
         )
     return tuple(jnp.reshape(x, (-1,))[0] for x in carry[3:])
