@@ -17,7 +17,7 @@ from . import _multi_steps_checks as checks
 from ._accumulate.accumulations import OPTAX_FIELDS, NoiseScale, Plain, State, Weighted
 from ._accumulate.arithmetic import check_accumulator_dtype, zero_accumulator
 from ._accumulate.branch import choose_form
-from ._accumulate.devices import device_state
+from ._accumulate.devices import PerDeviceState, SingleDeviceState
 from ._accumulate.window import MiniStep, StepInputs, Window, run_window
 from ._accumulate.xla import Mechanisms
 from ._leaves import accumulated, restore_none
@@ -118,16 +118,15 @@ class MultiSteps(Configured):
         stochastic = checks.check_stochastic_rounding(stochastic_rounding, dtype)
         noise = checks.check_bool(noise_scale, "noise_scale must be True or False")
         on = Mechanisms()  # last in the key: `xla.configured` changes it
+        single = axis_name is None
         given = (opt, every_k_schedule, use_grad_mean, should_skip_update_fn, dtype)
         self._key = config_key(*given, axis_name, weighted, stochastic, noise, on)
         parts = (NoiseScale(),) if noise else ()
         kind = (Weighted if weighted else Plain)(use_grad_mean, parts, stochastic)
-        # `fusable_inner`, the inner optimizer as given: `apply_gradients` fuses
-        # through a nested MultiSteps or skip_when, which the wrapper would hide.
         self._window = Window(
             inner=with_extra_args(opt),
             fusable_inner=opt,
-            devices=device_state(axis_name),
+            devices=SingleDeviceState() if single else PerDeviceState(axis_name),
             accumulation=kind,
             accumulator_dtype=dtype,
             inner_structures={},
@@ -212,9 +211,8 @@ class MultiSteps(Configured):
         out = merge_trainable(params, out) if fused else restore_none(grads, out)
         inner_state = strong_as_recorded(inner_state, inputs.record)
         skip_state = self._devices.add_axis(inputs.skip_state)
-        carry = self._accumulation.after(carry, step, self._devices)
         n, gradient = step.index, step.gradient_step
-        count = jnp.where(step.should_skip, n, saturating_increment(n))
+        count = jnp.where(inputs.should_skip, n, saturating_increment(n))
         mini = jnp.where(step.window_end, 0, count).astype(n.dtype)
         gradient = jnp.where(emitted, saturating_increment(gradient), gradient)
         fields = (mini, gradient, inner_state, acc, skip_state)
@@ -226,9 +224,9 @@ class MultiSteps(Configured):
         carry = self._accumulation.carry(state)
         weights = self._accumulation.begin(carry, inputs.weight, mini_step)
         ends = _window_complete(mini_step, inputs.k) if emit is None else emit
-        skip, gradient_step = inputs.should_skip, jnp.asarray(state.gradient_step)
-        window_end = jnp.logical_and(jnp.logical_not(skip), ends)
-        return MiniStep(window_end, skip, mini_step, gradient_step, weights, carry)
+        window_end = jnp.logical_and(jnp.logical_not(inputs.should_skip), ends)
+        gradient_step = jnp.asarray(state.gradient_step)
+        return MiniStep(window_end, mini_step, gradient_step, weights, carry)
 
     def optax_state(self, state: State) -> State:
         """`state` as `optax.MultiSteps` holds it at the same step, for it to go on

@@ -61,7 +61,6 @@ class Plain:
 
     fields: tuple[str, ...] = ()  # its own, before its parts'
     weighted = False  # whether a mini-step has a `weight=`
-    may_be_empty = False  # whether a window may hold nothing to apply
 
     def __init__(self, mean: bool, parts: tuple = (), stochastic: bool = False):
         self.arithmetic = Accumulator(mean, self.weighted)
@@ -105,14 +104,14 @@ class Plain:
     def fold(
         self, acc: PyTree, carry: dict, inputs: Any, step: Any, devices: Any
     ) -> tuple[PyTree, dict]:
-        """`acc` and the carry with this mini-step folded in (kept if skipped)."""
+        """`acc` and the carry after this mini-step (kept if it is skipped)."""
         leaf, fold, on = itertools.count(), self.arithmetic.fold, self.stochastic
         at = (step.gradient_step, step.index, devices.index()) if on else None
 
         def one(g: jax.Array, a: jax.Array) -> jax.Array:
             key = None if at is None else seed(*at, next(leaf))
             new = fold(g, a, step.index, step.weights, key)
-            return lax.select(step.should_skip, a, new)
+            return lax.select(inputs.should_skip, a, new)
 
         acc = jax.tree.map(one, devices.add_axis(inputs.grads), acc)
         for p in self.parts:
@@ -120,7 +119,8 @@ class Plain:
         return acc, carry
 
     def ready(self, step: Any) -> jax.Array | None:
-        """Whether this device's window holds something to apply (`None`: it does)."""
+        """Whether this device's window holds something to apply (`None`: it
+        always does; else, with `axis_name`, `finalize` decides over the devices)."""
         return None if step.weights is None else step.weights.total > 0
 
     def reports(self, carry: dict) -> dict:
@@ -139,10 +139,6 @@ class Plain:
             reports = {**reports, p.field: new}
         return jax.tree.map(as_gradient_dtype, value, dtypes), keep, reports
 
-    def after(self, carry: dict, step: Any, devices: Any) -> dict:
-        """The carry after the mini-step `step`."""
-        return carry
-
     def as_optax(self, state: Any) -> Any:
         """`state` as `optax.MultiStepsState`, or an error if it cannot be."""
         if hasattr(state, "acc_weight"):
@@ -159,7 +155,7 @@ class Weighted(Plain):
     `WeightedMultiStepsState`: the carry holds the running weight `acc_weight`."""
 
     fields = ("acc_weight",)
-    weighted = may_be_empty = True
+    weighted = True
 
     def init(self, acc_grads: PyTree, devices: Any) -> dict:
         acc_weight = devices.add_axis(jnp.zeros((), weight_dtype(acc_grads)))
@@ -216,11 +212,14 @@ class Weighted(Plain):
         before = jnp.where(mini_step == 0, jnp.zeros((), stored.dtype), stored)
         return self.arithmetic.weigh(before, w)
 
-    def after(self, carry: dict, step: Any, devices: Any) -> dict:
-        stored = jnp.reshape(step.carry["acc_weight"], ())
-        running = jnp.where(step.should_skip, stored, step.weights.total)
+    def fold(
+        self, acc: PyTree, carry: dict, inputs: Any, step: Any, devices: Any
+    ) -> tuple[PyTree, dict]:
+        acc, carry = super().fold(acc, carry, inputs, step, devices)
+        stored = jnp.reshape(carry["acc_weight"], ())
+        running = jnp.where(inputs.should_skip, stored, step.weights.total)
         acc_weight = jnp.where(step.window_end, jnp.zeros_like(running), running)
-        return {**carry, "acc_weight": devices.add_axis(acc_weight)}
+        return acc, {**carry, "acc_weight": devices.add_axis(acc_weight)}
 
 
 class NoiseScaleState(NamedTuple):
@@ -256,7 +255,7 @@ class NoiseScale:
 
     def fold(self, c: NoiseScaleState, inputs: Any, step: Any) -> NoiseScaleState:
         w = jnp.float32(1 if inputs.weight is None else inputs.weight)
-        counts = jnp.logical_and(jnp.logical_not(step.should_skip), w > 0)
+        counts = jnp.logical_and(jnp.logical_not(inputs.should_skip), w > 0)
         terms = (w * self._squares(inputs.grads), w, jnp.ones((), jnp.float32))
         bases = [jnp.where(step.index == 0, jnp.zeros_like(x), x) for x in c[:3]]
         sums = [jnp.where(counts, b + t, b) for b, t in zip(bases, terms, strict=True)]

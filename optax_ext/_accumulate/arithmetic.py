@@ -44,14 +44,16 @@ def check_accumulator_dtype(accumulator_dtype: Any, *, complex_ok: bool) -> Any:
     return canonical
 
 
-def least_holding(dtype: Any, other: Any) -> Any:
-    """The least dtype holding every value of both (float8: by format), or None."""
+def least_holding(x: Any, other: Any) -> Any:
+    """The least dtype holding every value of both (dtypes, or values: a weak one
+    as JAX promotes it; float8 by format), or None."""
     try:
-        return jnp.promote_types(dtype, other)
+        return jnp.result_type(x, other)
     except PROMOTION_ERROR:
-        if not all(jnp.issubdtype(d, jnp.inexact) for d in (dtype, other)):
-            return None
-    for wide, narrow in ((other, dtype), (dtype, other)):
+        dtypes = jnp.result_type(x), jnp.result_type(other)
+    if not all(jnp.issubdtype(d, jnp.inexact) for d in dtypes):
+        return None
+    for wide, narrow in (dtypes[::-1], dtypes):
         w, n = jnp.finfo(wide), jnp.finfo(narrow)
         if w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp:
             return jnp.dtype(wide)
@@ -59,7 +61,7 @@ def least_holding(dtype: Any, other: Any) -> Any:
 
 
 def holds(wide: Any, narrow: Any) -> bool:
-    """Whether every value of dtype `narrow` is a value of dtype `wide`."""
+    """Whether every value of `narrow` (a dtype or a value) is one of dtype `wide`."""
     least = least_holding(wide, narrow)
     return least is not None and least == wide  # np.dtype(None) is float64
 
@@ -74,11 +76,8 @@ def accumulator_dtype_for(
         return jnp.dtype(jnp.float32) if jnp.issubdtype(dtype, jnp.integer) else dtype
     if jnp.issubdtype(dtype, jnp.integer):
         return accumulator_dtype
-    try:
-        return jnp.result_type(leaf, accumulator_dtype)
-    except PROMOTION_ERROR:
-        if (wide := least_holding(dtype, accumulator_dtype)) is not None:
-            return wide
+    if (wide := least_holding(leaf, accumulator_dtype)) is not None:
+        return wide
     raise TypeError(
         f"{caller}(accumulator_dtype={jnp.dtype(accumulator_dtype)}) cannot accumulate "
         f"{what} at {path or 'the root'} of dtype {dtype}: neither dtype holds every "

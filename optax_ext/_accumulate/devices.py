@@ -156,7 +156,3 @@ class PerDeviceState(SingleDeviceState):
         pairs = zip(values, leaves, jax.tree.leaves(dtypes), strict=True)
         values = [v.astype(a.dtype if holds(a.dtype, d) else d) for v, a, d in pairs]
         return treedef.unflatten(values), None if total is None else total > 0
-
-
-def device_state(axis_name: Hashable | None) -> SingleDeviceState:
-    return SingleDeviceState() if axis_name is None else PerDeviceState(axis_name)

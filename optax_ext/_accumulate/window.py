@@ -51,8 +51,7 @@ class StepInputs(NamedTuple):
 class MiniStep(NamedTuple):
     """One mini-step's decisions (`MultiSteps._decide`)."""
 
-    window_end: jax.Array
-    should_skip: jax.Array
+    window_end: jax.Array  # accepted (not skipped) and the window's last
     index: jax.Array  # the state's `mini_step`
     gradient_step: jax.Array  # the state's
     weights: Weights | None  # from the kind's `begin`
@@ -105,9 +104,9 @@ def run_window(
     the new accumulator and carry, and whether the inner optimizer ran."""
     kind, devices = window.accumulation, window.devices
     acc, carry = kind.fold(acc, step.carry, inputs, step, devices)
-    decides = kind.may_be_empty and devices.per_device
     dtypes = jax.tree.map(lambda g: jnp.result_type(g), inputs.grads)
     pred, ready = step.window_end, kind.ready(step)
+    decides = ready is not None and devices.per_device  # `finalize`'s `keep`
     if ready is not None and not decides:
         pred = jnp.logical_and(pred, ready)
     # Only the params' arrays go through the conditional.
