@@ -43,7 +43,6 @@ def prepare_step(
     if params is not None:
         params = accumulated(params)
         names = dict(expected_name=_ACC, got_name="the params", hint=_HINT_PARAMS)
-        check_same_structure(acc, params, **names)
         check_same_shapes(acc, params, **names)
     given, grads = grads, zeros_where_undifferentiated(grads, params)
     _check_gradients(grads, acc, config)

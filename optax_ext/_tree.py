@@ -98,7 +98,11 @@ def check_same_structure(
 def check_same_shapes(
     expected: PyTree, got: PyTree, *, expected_name: str, got_name: str, hint: str
 ) -> None:
-    """Raises a `ValueError` naming the first path where leaf shapes differ."""
+    """Raises a `ValueError` naming the first path where the trees or their leaves'
+    shapes differ."""
+    check_same_structure(
+        expected, got, expected_name=expected_name, got_name=got_name, hint=hint
+    )
     flat = jax.tree_util.tree_flatten_with_path(expected)[0]
     for (path, e), g in zip(flat, jax.tree.leaves(got), strict=True):
         if jnp.shape(e) != jnp.shape(g):

@@ -14,7 +14,7 @@ from jax.extend import core as jex_core
 from jaxtyping import PyTree
 
 from .._leaves import is_typed_key
-from .._tree import cast_like, check_same_shapes, check_same_structure
+from .._tree import cast_like, check_same_shapes
 from . import xla
 
 
@@ -154,7 +154,6 @@ def conform_state(new: PyTree, old: PyTree) -> PyTree:
         got_name="the inner optimizer's new state",
         hint="a state kept on some steps must keep its tree and shapes.",
     )
-    check_same_structure(old, new, **names)
     check_same_shapes(old, new, **names)
     return jax.tree.map(
         lambda o, n: n if is_typed_key(o) else cast_like(n, o), old, new

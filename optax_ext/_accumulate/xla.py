@@ -41,10 +41,8 @@ def configured(opt: Any, **changes: Any) -> Any:
 
 def read_token(tree: PyTree) -> jax.Array | None:
     """A bool scalar, always `True`, that XLA computes after every array of
-    `tree` and cannot fold; `None` where no leaf can be read."""
+    `tree` (none sharded) and cannot fold; `None` where no leaf can be read."""
     leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-    if any(_sharding.varying_axes(x) or _sharding.typed_sharding(x) for x in leaves):
-        return None
     bits = []  # each first element's (its real part's), as uint32
     for x in [y for y in leaves if y.size and jnp.issubdtype(y.dtype, jnp.number)]:
         first = jnp.real(lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ()))
@@ -161,7 +159,5 @@ def per_platform(selected: Callable, conditional: Callable, on: Mechanisms) -> A
             return conditional
         return lambda: selected(platform in on.clear_when_selected_on)
 
-    if jax.config.jax_disable_jit:  # pyright: ignore[reportAttributeAccessIssue]
-        return pick(jax.default_backend())()
     forms = {p: pick(p) for p in ("cpu", "cuda", "rocm", "tpu")}
     return lax.platform_dependent(**forms, default=pick(None))
