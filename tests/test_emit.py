@@ -314,6 +314,15 @@ def test_a_window_held_open_past_k_has_no_optax_state():
     _close(optax_params, want, tol=2e-6)
 
 
+def test_emits_next_inside_jit_says_to_call_it_outside():
+    """It reads the counters on the host: traced ones get a clear error, not
+    a `ConcretizationTypeError` from deep inside."""
+    opt = optax_ext.MultiSteps(optax.sgd(1.0), 2)
+    state = opt.init(jnp.zeros(2))
+    with pytest.raises(TypeError, match=r"emits_next got traced counters.*outside"):
+        jax.jit(opt.emits_next)(state)
+
+
 def test_emits_next_refuses_what_the_jitted_update_refuses():
     """`emits_next` reads the schedule as the jitted `update` does: a window
     length known while tracing must be a whole number from 1 (0 and 2.5 are

@@ -277,3 +277,37 @@ def test_multi_steps_under_vmap_with_shared_counters_keeps_its_conditional():
             strict=True,
         ):
             assert jnp.array_equal(got, want)
+
+
+# What each mechanism adds to the program XLA:CPU is given for Lion's drop-in
+# `update` (the updates read the state's `mu` before it is written; `w` has
+# 2**16 elements, so its zeros are its own): (barriers, multiplies, selects)
+# that switching it off removes.
+MECHANISM_OPS = {
+    "scalar_barrier": (1, 0, 0),
+    "distinct_zeros": (0, 1, 0),
+    "state_after_updates": (2, 0, 2),
+}
+
+
+@COMPILED
+@pytest.mark.parametrize("mechanism", MECHANISM_OPS)
+def test_each_mechanism_switch_removes_its_mechanism_and_no_other(mechanism):
+    """`xla.configured(opt, <mechanism>=False)` (the switch the benchmarks and
+    docs/design.md's measurements use) takes exactly that mechanism's ops out
+    of the lowered program; a switch that did nothing would measure nothing."""
+    from optax_ext._accumulate import xla
+
+    params = {"w": jnp.zeros((256, 256)), "b": jnp.zeros((256,))}
+    grads = jax.tree.map(jnp.ones_like, params)
+
+    def ops(opt):
+        step = jax.jit(lambda g, s: opt.update(g, s, params))
+        text = step.lower(grads, opt.init(params)).as_text()
+        kinds = ("optimization_barrier", "multiply", "select")
+        return [text.count(f"stablehlo.{kind} ") for kind in kinds]
+
+    opt = optax_ext.MultiSteps(optax.lion(1e-4), 3)
+    on, off = ops(opt), ops(xla.configured(opt, **{mechanism: False}))
+    removed = tuple(a - b for a, b in zip(on, off, strict=True))
+    assert removed == MECHANISM_OPS[mechanism], (on, off)

@@ -701,6 +701,26 @@ def test_should_skip_must_return_scalar_bool(fn):
         jax.jit(opt.init)(jnp.zeros(2))
 
 
+@pytest.mark.parametrize("fn", [3, "skip_not_finite"])
+def test_should_skip_update_fn_that_is_not_a_function_is_refused_at_construction(fn):
+    """Not at the first step, inside `jit`, as "object is not callable"."""
+    with pytest.raises(TypeError, match=r"should_skip_update_fn must be None or a fun"):
+        optax_ext.MultiSteps(optax.sgd(1.0), 2, should_skip_update_fn=fn)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_should_skip_may_return_a_python_bool(skip):
+    """A skip function deciding on the host (a Python bool, as a schedule
+    of skipped steps would) is as good as a traced one."""
+    opt = optax_ext.MultiSteps(
+        optax.sgd(1.0), 1, should_skip_update_fn=lambda u, s, p: (skip, ())
+    )
+    state = opt.init(jnp.zeros(2))
+    updates, state = jax.jit(opt.update)(jnp.ones(2), state)
+    np.testing.assert_array_equal(to_np(updates), [0.0, 0.0] if skip else [-1.0, -1.0])
+    assert int(state.gradient_step) == (0 if skip else 1)
+
+
 def test_mismatched_grads_name_the_path():
     opt = optax_ext.MultiSteps(optax.sgd(1.0), every_k_schedule=2)
     params = {"layer": {"w": jnp.zeros(2), "b": jnp.zeros(1)}}
