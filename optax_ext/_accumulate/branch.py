@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ from jax.extend import core as jex_core
 from jaxtyping import PyTree
 
 from .._leaves import is_typed_key
-from .._tree import cast_like, check_same_shapes
+from .._tree import cast_like, check_same_shapes, known_bool
 from . import xla
 
 
@@ -136,14 +135,6 @@ def update_if(
     else:
         result, new_state, count = _conditional(*args, mechanisms)
     return result, new_state, None if form is None else count, operands
-
-
-def known_bool(x: Any) -> bool | None:
-    """`x` as a Python bool where it is known while tracing, else `None`."""
-    try:
-        return bool(x)
-    except jax.errors.ConcretizationTypeError:
-        return None
 
 
 def conform_state(new: PyTree, old: PyTree) -> PyTree:
