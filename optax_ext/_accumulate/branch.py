@@ -114,6 +114,9 @@ def update_if(
     `carry`, which it then also takes) and `inner_state`; the new state in the old
     avals; 1 where it ran, else 0 (`None` without a `form`: a conditional, or decided
     where `pred` is known); `operands`, `xla.cleared` where the drop-in selects."""
+    if form is Form.FOLD:  # decided by the host: the window goes on
+        kept = update_if(False, inner_update, operands, inner_state, carry=carry)
+        return *kept[:2], jnp.zeros((), jnp.int32), operands
     if form is None and (known := known_bool(pred)) is not None:  # decided now
         if known:
             return (*_step(inner_update, operands, inner_state, carry), None, operands)
