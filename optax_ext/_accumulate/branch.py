@@ -68,9 +68,9 @@ class _Traced:
         return [cast_like(x, a) for x, a in zip(leaves, self.out_avals, strict=True)]
 
 
-def _conditional(pred, traced, operands, state, carry, counter, on) -> tuple:
+def _conditional(pred, traced, operands, state, carry, on) -> tuple:
     """The step in a `lax.cond`, its idle branch giving carry (or zeros) and state."""
-    ran, kept = counter
+    ran, kept = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)  # the count
 
     def run(operands, state, carry, seed):
         operands, state, count = xla.scalar_barrier((operands, state, ran), on)
@@ -88,7 +88,7 @@ def _conditional(pred, traced, operands, state, carry, counter, on) -> tuple:
     return lax.cond(pred, run, skip, operands, state, carry, seed)
 
 
-def _selected(pred, traced, operands, state, carry, counter) -> tuple:
+def _selected(pred, traced, operands, state, carry) -> tuple:
     """The step run unconditionally, its outputs selected by `pred`."""
     leaves = traced.leaves(operands, state, carry)
     result, new_state = jax.tree.unflatten(traced.out_def, leaves)
@@ -97,7 +97,8 @@ def _selected(pred, traced, operands, state, carry, counter) -> tuple:
         result = jax.tree.map(lambda u: where(u, 0).astype(u.dtype), result)
     else:
         result = jax.tree.map(where, result, carry)
-    return result, jax.tree.map(where, new_state, state), where(*counter)
+    count = where(jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))  # ran, else kept
+    return result, jax.tree.map(where, new_state, state), count
 
 
 def update_if(
@@ -124,9 +125,8 @@ def update_if(
             shapes, _ = jax.eval_shape(inner_update, *operands, inner_state)
             carry = jax.tree.map(lambda s: lax.full(s.shape, 0, s.dtype), shapes)
         return carry, inner_state, None, operands
-    counter = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)  # ran, kept
     traced = _Traced(inner_update, operands, inner_state, carry)
-    args = (pred, traced, operands, inner_state, carry, counter)
+    args = (pred, traced, operands, inner_state, carry)
     if form is Form.SELECTED:
         result, new_state, count = _selected(*args)
     elif form is Form.PER_PLATFORM:
