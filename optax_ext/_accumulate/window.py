@@ -104,7 +104,7 @@ def run_window(
     the new accumulator and carry, and whether the inner optimizer ran."""
     kind, devices = window.accumulation, window.devices
     acc, carry = kind.fold(acc, step.carry, inputs, step, devices)
-    dtypes = jax.tree.map(lambda g: jnp.result_type(g), inputs.grads)
+    dtypes = jax.tree.map(jnp.result_type, inputs.grads)
     pred, ready = step.window_end, kind.ready(step)
     decides = ready is not None and devices.per_device  # `finalize`'s `keep`
     if ready is not None and not decides:
