@@ -100,7 +100,7 @@ class Count:
         return summed
 
 
-class AnyOf(Count):
+class AnyOf:
     """A bool output: whether it held on any micro-batch of any device."""
 
     def fold(self, out: Any, acc: Any, j: Any, weights: Any) -> jax.Array:
