@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ._accumulate.branch import known_bool, update_if
+from ._accumulate.branch import update_if
 from ._leaves import (
     differentiated,
     inner_params,
@@ -24,7 +24,7 @@ from ._transformations import (
     step_and_apply,
     with_extra_args,
 )
-from ._tree import check_updates_fit_params, describe_value
+from ._tree import check_updates_fit_params, describe_value, known_bool
 
 _UPDATE = ("skip_when.update", "state")
 _APPLY = ("optax_ext.apply_gradients", "opt_state")

@@ -198,3 +198,11 @@ def as_index(value: Any) -> int | None:
         return operator.index(value)
     except TypeError:
         return None
+
+
+def known_bool(x: Any) -> bool | None:
+    """`x` as a Python bool where it is known while tracing, else `None`."""
+    try:
+        return bool(x)
+    except jax.errors.ConcretizationTypeError:
+        return None

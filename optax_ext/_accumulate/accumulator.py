@@ -5,7 +5,7 @@ the devices' accumulators meet after the last fold."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,6 @@ class Accumulator:
 
     mean: bool = True
     weighted: bool = False
-    reduced: ClassVar[bool] = True  # across devices, after the last fold
 
     def weigh(self, before: jax.Array, weight: jax.Array) -> Weights:
         """The scalars of folding a value of `weight` after `before`."""
@@ -91,8 +90,6 @@ class Accumulator:
 class Count:
     """An integer output: summed over micro-batches and devices."""
 
-    reduced = True
-
     def fold(self, out: Any, acc: Any, j: Any, weights: Any) -> jax.Array:
         return Accumulator(mean=False).fold(out, acc, j, None)
 
@@ -103,7 +100,7 @@ class Count:
         return summed
 
 
-class AnyOf(Count):
+class AnyOf:
     """A bool output: whether it held on any micro-batch of any device."""
 
     def fold(self, out: Any, acc: Any, j: Any, weights: Any) -> jax.Array:
@@ -118,8 +115,6 @@ class AnyOf(Count):
 
 class Rows:
     """A per-example output: each micro-batch's rows, as they are."""
-
-    reduced = False
 
     def fold(self, out: Any, acc: Any, j: Any, weights: Any) -> jax.Array:
         return lax.dynamic_update_index_in_dim(acc, out, j, axis=1)
@@ -136,14 +131,14 @@ def reduce_across(
     kinds: list, accs: list, weight: jax.Array | None, axis_name: Any
 ) -> tuple[list, jax.Array | None]:
     """Each device's accumulators (`weight`: its weight) over every device
-    along `axis_name` in one all-reduce, `part`s summed, then `whole` (kinds
-    not `reduced` kept); and the weights' sum (`None` unweighted)."""
-    parts = [k.part(a, weight) for k, a in zip(kinds, accs, strict=True) if k.reduced]
+    along `axis_name` in one all-reduce, `part`s summed, then `whole` (`Rows`
+    kept as they are); and the weights' sum (`None` unweighted)."""
+    pairs = list(zip(kinds, accs, strict=True))
+    parts = [k.part(a, weight) for k, a in pairs if not isinstance(k, Rows)]
     parts, weight = lax.psum((parts, weight), axis_name)
     n, summed = lax.axis_size(axis_name), iter(parts)
     return [
-        k.whole(next(summed), weight, n) if k.reduced else a
-        for k, a in zip(kinds, accs, strict=True)
+        a if isinstance(k, Rows) else k.whole(next(summed), weight, n) for k, a in pairs
     ], weight
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ from jax.extend import core as jex_core
 from jaxtyping import PyTree
 
 from .._leaves import is_typed_key
-from .._tree import cast_like, check_same_shapes
+from .._tree import cast_like, check_same_shapes, known_bool
 from . import xla
 
 
@@ -69,9 +68,9 @@ class _Traced:
         return [cast_like(x, a) for x, a in zip(leaves, self.out_avals, strict=True)]
 
 
-def _conditional(pred, traced, operands, state, carry, counter, on) -> tuple:
+def _conditional(pred, traced, operands, state, carry, on) -> tuple:
     """The step in a `lax.cond`, its idle branch giving carry (or zeros) and state."""
-    ran, kept = counter
+    ran, kept = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)  # the count
 
     def run(operands, state, carry, seed):
         operands, state, count = xla.scalar_barrier((operands, state, ran), on)
@@ -89,7 +88,7 @@ def _conditional(pred, traced, operands, state, carry, counter, on) -> tuple:
     return lax.cond(pred, run, skip, operands, state, carry, seed)
 
 
-def _selected(pred, traced, operands, state, carry, counter) -> tuple:
+def _selected(pred, traced, operands, state, carry) -> tuple:
     """The step run unconditionally, its outputs selected by `pred`."""
     leaves = traced.leaves(operands, state, carry)
     result, new_state = jax.tree.unflatten(traced.out_def, leaves)
@@ -98,7 +97,8 @@ def _selected(pred, traced, operands, state, carry, counter) -> tuple:
         result = jax.tree.map(lambda u: where(u, 0).astype(u.dtype), result)
     else:
         result = jax.tree.map(where, result, carry)
-    return result, jax.tree.map(where, new_state, state), where(*counter)
+    count = where(jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))  # ran, else kept
+    return result, jax.tree.map(where, new_state, state), count
 
 
 def update_if(
@@ -115,6 +115,9 @@ def update_if(
     `carry`, which it then also takes) and `inner_state`; the new state in the old
     avals; 1 where it ran, else 0 (`None` without a `form`: a conditional, or decided
     where `pred` is known); `operands`, `xla.cleared` where the drop-in selects."""
+    if form is Form.FOLD:  # decided by the host: the window goes on
+        kept = update_if(False, inner_update, operands, inner_state, carry=carry)
+        return *kept[:2], jnp.zeros((), jnp.int32), operands
     if form is None and (known := known_bool(pred)) is not None:  # decided now
         if known:
             return (*_step(inner_update, operands, inner_state, carry), None, operands)
@@ -122,9 +125,8 @@ def update_if(
             shapes, _ = jax.eval_shape(inner_update, *operands, inner_state)
             carry = jax.tree.map(lambda s: lax.full(s.shape, 0, s.dtype), shapes)
         return carry, inner_state, None, operands
-    counter = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32)  # ran, kept
     traced = _Traced(inner_update, operands, inner_state, carry)
-    args = (pred, traced, operands, inner_state, carry, counter)
+    args = (pred, traced, operands, inner_state, carry)
     if form is Form.SELECTED:
         result, new_state, count = _selected(*args)
     elif form is Form.PER_PLATFORM:
@@ -136,14 +138,6 @@ def update_if(
     else:
         result, new_state, count = _conditional(*args, mechanisms)
     return result, new_state, None if form is None else count, operands
-
-
-def known_bool(x: Any) -> bool | None:
-    """`x` as a Python bool where it is known while tracing, else `None`."""
-    try:
-        return bool(x)
-    except jax.errors.ConcretizationTypeError:
-        return None
 
 
 def conform_state(new: PyTree, old: PyTree) -> PyTree:

@@ -104,7 +104,7 @@ def run_window(
     the new accumulator and carry, and whether the inner optimizer ran."""
     kind, devices = window.accumulation, window.devices
     acc, carry = kind.fold(acc, step.carry, inputs, step, devices)
-    dtypes = jax.tree.map(lambda g: jnp.result_type(g), inputs.grads)
+    dtypes = jax.tree.map(jnp.result_type, inputs.grads)
     pred, ready = step.window_end, kind.ready(step)
     decides = ready is not None and devices.per_device  # `finalize`'s `keep`
     if ready is not None and not decides:
@@ -113,18 +113,13 @@ def run_window(
     arrays = _arrays_at(inputs.params, inputs.params) if fused else None
     reports = kind.reports(carry)
     state_in = (inner_state, jnp.zeros((), jnp.bool_) if decides else (), reports)
-    if form is Form.FOLD:
-        out = arrays if fused else jax.tree.map(jnp.zeros_like, inputs.params)
-        state_out, ran = state_in, pred
-    else:
-        run, on = _inner_step(window, inputs, step, fused, dtypes), window.mechanisms
-        out, state_out, count, (cleared,) = update_if(
-            pred, run, (acc,), state_in, carry=arrays, form=form, mechanisms=on
-        )
-        # Cleared only where the inner optimizer reads the accumulator as stored.
-        same = jax.tree.map(lambda a, d: jnp.result_type(a) == d, acc, dtypes)
-        acc = jax.tree.map(lambda c, a, s: c if s else a, cleared, acc, same)
-        ran = count == 1
+    run, on = _inner_step(window, inputs, step, fused, dtypes), window.mechanisms
+    out, state_out, count, (cleared,) = update_if(
+        pred, run, (acc,), state_in, carry=arrays, form=form, mechanisms=on
+    )
+    # Cleared only where the inner optimizer reads the accumulator as stored.
+    same = jax.tree.map(lambda a, d: jnp.result_type(a) == d, acc, dtypes)
+    acc = jax.tree.map(lambda c, a, s: c if s else a, cleared, acc, same)
     out = merge_trainable(inputs.params, out) if fused else out
     inner_state, held, reports = state_out
-    return out, inner_state, acc, {**carry, **reports}, held if decides else ran
+    return out, inner_state, acc, {**carry, **reports}, held if decides else count == 1
