@@ -155,7 +155,8 @@ class MultiSteps(Configured):
         fields = (zero(), zero(), inner_state, acc, skip)
         state = mirror_param_sharding(optax.MultiStepsState(*fields), params)
         fields = (*state[:3], *map(w.devices.add_axis, state[3:]))  # acc, skip
-        return w.accumulation.state(fields, w.accumulation.init(acc, w.devices))
+        carry = w.devices.add_axis(w.accumulation.init(acc))
+        return w.accumulation.state(fields, carry)
 
     def state_specs(self) -> State:
         """`PartitionSpec`s of the state (a prefix of its tree) for
@@ -163,7 +164,7 @@ class MultiSteps(Configured):
         `skip_state` (and a weighted state's `acc_weight`) with `axis_name`."""
         w, same = self._window, jax.sharding.PartitionSpec()
         own = w.devices.spec()
-        carry = jax.eval_shape(lambda: w.accumulation.init((), w.devices))
+        carry = jax.eval_shape(w.accumulation.init, ())
         carry = jax.tree.map(lambda _: own, carry)
         return w.accumulation.state((same, same, same, own, own), carry)
 

@@ -67,9 +67,9 @@ class Plain:
         self.parts, self.stochastic = parts, stochastic
         self.own = self.fields + tuple(p.field for p in parts)  # after optax's
 
-    def init(self, acc_grads: PyTree, devices: Any) -> dict:
-        """The carry (besides `acc_grads`) at the start."""
-        return {p.field: devices.add_axis(p.init()) for p in self.parts}
+    def init(self, acc_grads: PyTree) -> dict:
+        """The carry (besides `acc_grads`) at the start, without the devices' axis."""
+        return {p.field: p.init() for p in self.parts}
 
     def state(self, fields: tuple, carry: dict) -> State:
         """The state of optax's `fields` and the `carry`."""
@@ -157,9 +157,9 @@ class Weighted(Plain):
     fields = ("acc_weight",)
     weighted = True
 
-    def init(self, acc_grads: PyTree, devices: Any) -> dict:
-        acc_weight = devices.add_axis(jnp.zeros((), weight_dtype(acc_grads)))
-        return {"acc_weight": acc_weight, **super().init(acc_grads, devices)}
+    def init(self, acc_grads: PyTree) -> dict:
+        acc_weight = jnp.zeros((), weight_dtype(acc_grads))
+        return {"acc_weight": acc_weight, **super().init(acc_grads)}
 
     def check(self, state: Any, weight: Any, names: tuple) -> Any:
         who = names[0].replace("MultiSteps.", "MultiSteps(weighted=True).")
