@@ -38,7 +38,7 @@ def prepare_step(
     devices.check_bound(method)
     who, state_arg = check_state(state, method)
     weight = extra.pop("weight", NO_WEIGHT)
-    weight = config.accumulation.check(state, weight, (who, state_arg))
+    weight = config.accumulation.check(state, weight, who, state_arg)
     acc = devices.drop_axis(state.acc_grads)
     if params is not None:
         params = accumulated(params)
