@@ -130,7 +130,7 @@ class MultiSteps(Configured):
             accumulation=kind,
             accumulator_dtype=dtype,
             inner_structures={},
-            every_k_schedule=checks.validate_every_k(every_k_schedule),
+            every_k_schedule=checks.check_every_k(every_k_schedule),
             should_skip_update_fn=checks.check_skip_fn(should_skip_update_fn),
             mechanisms=on,
         )

@@ -107,7 +107,7 @@ def check_stochastic_rounding(value: Any, dtype: Any) -> bool:
     return stochastic
 
 
-def validate_every_k(every_k: Any) -> Callable[[jax.Array], Any]:
+def check_every_k(every_k: Any) -> Callable[[jax.Array], Any]:
     """`every_k_schedule` as a function; a bool is its int, as in optax."""
     if callable(every_k):
         return every_k
