@@ -262,7 +262,8 @@ class MultiSteps(Configured):
         return bool(_window_complete(jnp.asarray(known[0]), known[1]))
 
     def _host_window(self, state: State) -> tuple[int, jax.Array] | None:
-        """`mini_step` and its window's `k`, on the host, checked (`None`: traced)."""
+        """`mini_step` and its window's `k` on the host (`None`: traced), `k` checked
+        as the jitted step checks it: a JAX array, traced there, is not."""
         counters = (state.mini_step, state.gradient_step)
         if any(isinstance(c, jax.core.Tracer) for c in counters):
             return None
