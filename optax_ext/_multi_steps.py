@@ -130,11 +130,10 @@ class MultiSteps(Configured):
             accumulation=kind,
             accumulator_dtype=dtype,
             inner_structures={},
-            every_k_schedule=checks.validate_every_k(every_k_schedule),
+            every_k_schedule=checks.check_every_k(every_k_schedule),
             should_skip_update_fn=checks.check_skip_fn(should_skip_update_fn),
             mechanisms=on,
         )
-        self._devices, self._accumulation = self._window.devices, kind
 
     @property
     def inner_opt(self) -> optax.GradientTransformationExtraArgs:
@@ -146,8 +145,8 @@ class MultiSteps(Configured):
         inside `jax.shard_map`: `acc_grads` and `skip_state` then hold this
         device's own values (`state_specs`)."""
         params = accumulated(params)
-        self._devices.check_bound("init")
         w, zero = self._window, lambda: jnp.zeros((), jnp.int32)
+        w.devices.check_bound("init")
         acc = zero_accumulator(params, w.accumulator_dtype, w.accumulation.stochastic)
         inner_state = w.inner.init(params)
         traced_state_record(w.inner.init, params, w.inner_structures, is_params=True)
@@ -156,16 +155,18 @@ class MultiSteps(Configured):
         fields = (zero(), zero(), inner_state, acc, skip)
         state = mirror_param_sharding(optax.MultiStepsState(*fields), params)
         fields = (*state[:3], *map(w.devices.add_axis, state[3:]))  # acc, skip
-        return w.accumulation.state(fields, w.accumulation.init(acc, w.devices))
+        carry = w.devices.add_axis(w.accumulation.init(acc))
+        return w.accumulation.state(fields, carry)
 
     def state_specs(self) -> State:
         """`PartitionSpec`s of the state (a prefix of its tree) for
         `jax.shard_map`: `P()`, but `P(axis_name)` for `acc_grads` and
         `skip_state` (and a weighted state's `acc_weight`) with `axis_name`."""
-        same, own = jax.sharding.PartitionSpec(), self._devices.spec()
-        carry = jax.eval_shape(lambda: self._accumulation.init((), self._devices))
+        w, same = self._window, jax.sharding.PartitionSpec()
+        own = w.devices.spec()
+        carry = jax.eval_shape(w.accumulation.init, ())
         carry = jax.tree.map(lambda _: own, carry)
-        return self._accumulation.state((same, same, same, own, own), carry)
+        return w.accumulation.state((same, same, same, own, own), carry)
 
     def update(
         self,
@@ -205,24 +206,24 @@ class MultiSteps(Configured):
         method = "apply_gradients" if fused else "update"
         inputs = checks.prepare_step(self._window, grads, state, params, extra, method)
         step = self._decide(inputs, state, emit)
-        form = choose_form(fused, emit, self._devices.per_device)
+        form = choose_form(fused, emit, self._window.devices.per_device)
         args = (self._window, form, fused, step, inputs, state.acc_grads)
         out, inner_state, acc, carry, emitted = run_window(*args, state.inner_opt_state)
         out = merge_trainable(params, out) if fused else restore_none(grads, out)
         inner_state = strong_as_recorded(inner_state, inputs.record)
-        skip_state = self._devices.add_axis(inputs.skip_state)
+        skip_state = self._window.devices.add_axis(inputs.skip_state)
         n, gradient = step.index, step.gradient_step
         count = jnp.where(inputs.should_skip, n, saturating_increment(n))
         mini = jnp.where(step.window_end, 0, count).astype(n.dtype)
         gradient = jnp.where(emitted, saturating_increment(gradient), gradient)
         fields = (mini, gradient, inner_state, acc, skip_state)
-        return out, self._accumulation.state(fields, carry)
+        return out, self._window.accumulation.state(fields, carry)
 
     def _decide(self, inputs: StepInputs, state: State, emit: bool | None) -> MiniStep:
         """This mini-step's weights and whether it ends its window (`k`, `emit`)."""
         mini_step = jnp.asarray(state.mini_step)
-        carry = self._accumulation.carry(state)
-        weights = self._accumulation.begin(carry, inputs.weight, mini_step)
+        carry = self._window.accumulation.carry(state)
+        weights = self._window.accumulation.begin(carry, inputs.weight, mini_step)
         ends = _window_complete(mini_step, inputs.k) if emit is None else emit
         window_end = jnp.logical_and(jnp.logical_not(inputs.should_skip), ends)
         gradient_step = jnp.asarray(state.gradient_step)
@@ -235,7 +236,7 @@ class MultiSteps(Configured):
         (`emit=False`) where the counters are known, and a weighted state (optax
         would drop its `acc_weight`). Example: `docs/multi_steps.md`, "State"."""
         checks.check_state(state, "optax_state")
-        state = self._accumulation.as_optax(state)
+        state = self._window.accumulation.as_optax(state)
         mini, k = self._host_window(state) or (0, 0)  # traced: not refused
         k = float(k)
         if k >= 1 and mini >= math.ceil(k):
@@ -261,7 +262,8 @@ class MultiSteps(Configured):
         return bool(_window_complete(jnp.asarray(known[0]), known[1]))
 
     def _host_window(self, state: State) -> tuple[int, jax.Array] | None:
-        """`mini_step` and its window's `k`, on the host, checked (`None`: traced)."""
+        """`mini_step` and its window's `k` on the host (`None`: traced), `k` checked
+        as the jitted step checks it: a JAX array, traced there, is not."""
         counters = (state.mini_step, state.gradient_step)
         if any(isinstance(c, jax.core.Tracer) for c in counters):
             return None

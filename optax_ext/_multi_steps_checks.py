@@ -38,7 +38,7 @@ def prepare_step(
     devices.check_bound(method)
     who, state_arg = check_state(state, method)
     weight = extra.pop("weight", NO_WEIGHT)
-    weight = config.accumulation.check(state, weight, (who, state_arg))
+    weight = config.accumulation.check(state, weight, who, state_arg)
     acc = devices.drop_axis(state.acc_grads)
     if params is not None:
         params = accumulated(params)
@@ -107,7 +107,7 @@ def check_stochastic_rounding(value: Any, dtype: Any) -> bool:
     return stochastic
 
 
-def validate_every_k(every_k: Any) -> Callable[[jax.Array], Any]:
+def check_every_k(every_k: Any) -> Callable[[jax.Array], Any]:
     """`every_k_schedule` as a function; a bool is its int, as in optax."""
     if callable(every_k):
         return every_k
@@ -124,15 +124,15 @@ def validate_every_k(every_k: Any) -> Callable[[jax.Array], Any]:
 def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
     """The window length from `every_k_schedule` (a bool: its int), checked if known."""
     try:
-        kind = np.asarray(k)
+        array = np.asarray(k)
     except UNREAD:  # traced
-        kind = jnp.asarray(k)
-    if kind.shape != () or not any(jnp.issubdtype(kind.dtype, t) for t in _NUMERIC):
+        array = jnp.asarray(k)
+    if array.shape != () or not any(jnp.issubdtype(array.dtype, t) for t in _NUMERIC):
         raise TypeError(
             "every_k_schedule must return a scalar int (the number of mini-steps "
             f"in this window), got {describe_value(k)}."
         )
-    value = kind.item() if isinstance(kind, np.ndarray) else None
+    value = array.item() if isinstance(array, np.ndarray) else None
     if value is not None and not (1 <= value <= 2**31 - 1 and value == int(value)):
         at = ""
         if not isinstance(gradient_step, jax.core.Tracer):
@@ -142,7 +142,7 @@ def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
             "mini-steps from 1 to 2**31 - 1 (the state counts them in int32). Round "
             "the schedule's output (e.g. `jnp.ceil(k).astype(jnp.int32)`)."
         )
-    return jnp.asarray(k, jnp.int32 if kind.dtype == jnp.bool_ else None)
+    return jnp.asarray(k, jnp.int32 if array.dtype == jnp.bool_ else None)
 
 
 def check_skip_fn(fn: Any) -> Callable | None:

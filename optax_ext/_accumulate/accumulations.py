@@ -67,9 +67,9 @@ class Plain:
         self.parts, self.stochastic = parts, stochastic
         self.own = self.fields + tuple(p.field for p in parts)  # after optax's
 
-    def init(self, acc_grads: PyTree, devices: Any) -> dict:
-        """The carry (besides `acc_grads`) at the start."""
-        return {p.field: devices.add_axis(p.init()) for p in self.parts}
+    def init(self, acc_grads: PyTree) -> dict:
+        """The carry (besides `acc_grads`) at the start, without the devices' axis."""
+        return {p.field: p.init() for p in self.parts}
 
     def state(self, fields: tuple, carry: dict) -> State:
         """The state of optax's `fields` and the `carry`."""
@@ -79,11 +79,11 @@ class Plain:
         """The state's fields after optax's."""
         return dict(zip(state._fields[len(OPTAX_FIELDS) :], state[5:], strict=True))
 
-    def check(self, state: Any, weight: Any, names: tuple) -> Any:
-        """The step's `weight=`, checked with its state (`names`: the call's)."""
+    def check(self, state: Any, weight: Any, who: str, state_arg: str) -> Any:
+        """The step's `weight=`, checked with its state (`who` calls it `state_arg`)."""
         if weight is not NO_WEIGHT:
             raise TypeError(
-                f"{names[0]} got weight={describe_value(weight)}, but this MultiSteps "
+                f"{who} got weight={describe_value(weight)}, but this MultiSteps "
                 "was built without weighted=True: build it with `MultiSteps(..., "
                 "weighted=True)` and init its state again to weigh the mini-steps."
             )
@@ -92,7 +92,7 @@ class Plain:
             missing = [f for f in self.own if f not in have]
             lacks = f"no {missing[0]}" if missing else "other fields"
             raise TypeError(
-                f"{names[0]}'s `{names[1]}` has {lacks}: got a "
+                f"{who}'s `{state_arg}` has {lacks}: got a "
                 f"{type(state).__name__} with the fields {list(have)} after optax's, "
                 f"where this MultiSteps' init returns {list(self.own)}. Build both "
                 "with the same arguments (weighted=, noise_scale=) or use this init."
@@ -157,12 +157,12 @@ class Weighted(Plain):
     fields = ("acc_weight",)
     weighted = True
 
-    def init(self, acc_grads: PyTree, devices: Any) -> dict:
-        acc_weight = devices.add_axis(jnp.zeros((), weight_dtype(acc_grads)))
-        return {"acc_weight": acc_weight, **super().init(acc_grads, devices)}
+    def init(self, acc_grads: PyTree) -> dict:
+        acc_weight = jnp.zeros((), weight_dtype(acc_grads))
+        return {"acc_weight": acc_weight, **super().init(acc_grads)}
 
-    def check(self, state: Any, weight: Any, names: tuple) -> Any:
-        who = names[0].replace("MultiSteps.", "MultiSteps(weighted=True).")
+    def check(self, state: Any, weight: Any, who: str, state_arg: str) -> Any:
+        who = who.replace("MultiSteps.", "MultiSteps(weighted=True).")
         if weight is NO_WEIGHT:
             raise TypeError(
                 f"{who} needs `weight=`, the mini-step's weight: a scalar >= 0 (e.g. "
@@ -185,12 +185,12 @@ class Weighted(Plain):
                 f"{who}'s `weight` must be finite and >= 0, got {known!r}: it is the "
                 "mini-step's share of the window (e.g. its non-padding tokens)."
             )
-        super().check(state, NO_WEIGHT, (who, names[1]))
+        super().check(state, NO_WEIGHT, who, state_arg)
         value = state.acc_weight
         dtype = getattr(value, "dtype", np.dtype(object))
         if not (jnp.issubdtype(dtype, jnp.floating) and np.shape(value) in ((), (1,))):
             raise TypeError(
-                f"{who}'s `{names[1]}.acc_weight` must be a float scalar (as "
+                f"{who}'s `{state_arg}.acc_weight` must be a float scalar (as "
                 f"init builds it), got {describe_value(value)}."
             )
         tiny, top = float(jnp.finfo(dtype).tiny), float(jnp.finfo(dtype).max)
