@@ -23,7 +23,7 @@ from ._accumulate.accumulator import (
     Weights,
     weight_dtype,
 )
-from ._accumulate.arithmetic import accumulator_dtype_for, is_real_scalar
+from ._accumulate.arithmetic import accumulator_dtype_for
 from ._sharding import (
     axis_names,
     cast_varying,
@@ -34,7 +34,7 @@ from ._sharding import (
     varying_axes,
     zeros_like_struct,
 )
-from ._tree import describe_value
+from ._tree import describe_value, is_real_scalar
 
 
 class LoopSettings(NamedTuple):

@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._accumulate import arithmetic
-from ._accumulate.accumulations import NO_WEIGHT, OPTAX_FIELDS, UNREAD
+from ._accumulate.accumulations import NO_WEIGHT, OPTAX_FIELDS
 from ._accumulate.window import StepInputs, Window
 from ._leaves import accumulated, zeros_where_undifferentiated
 from ._records import check_state_structure
@@ -123,10 +123,7 @@ def check_every_k(every_k: Any) -> Callable[[jax.Array], Any]:
 
 def check_k(k: Any, gradient_step: jax.Array) -> jax.Array:
     """The window length from `every_k_schedule` (a bool: its int), checked if known."""
-    try:
-        array = np.asarray(k)
-    except UNREAD:  # traced
-        array = jnp.asarray(k)
+    array = jnp.asarray(k) if isinstance(k, jax.core.Tracer) else np.asarray(k)
     if array.shape != () or not any(jnp.issubdtype(array.dtype, t) for t in _NUMERIC):
         raise TypeError(
             "every_k_schedule must return a scalar int (the number of mini-steps "

@@ -206,3 +206,12 @@ def known_bool(x: Any) -> bool | None:
         return bool(x)
     except jax.errors.ConcretizationTypeError:
         return None
+
+
+def is_real_scalar(value: Any) -> bool:
+    """Whether `value` can be a weight: an int or float scalar, not a bool."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    real = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    return real and jnp.shape(value) == ()

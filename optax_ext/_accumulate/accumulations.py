@@ -16,12 +16,11 @@ import optax
 from jax import lax
 from jaxtyping import PyTree
 
-from .._tree import describe_value
+from .._tree import describe_value, is_real_scalar
 from .accumulator import Accumulator, as_gradient_dtype, weight_dtype
-from .arithmetic import is_real_scalar, seed, work_dtype
+from .arithmetic import seed, work_dtype
 
 NO_WEIGHT = object()
-UNREAD = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
 
 
 class WeightedMultiStepsState(NamedTuple):
@@ -176,10 +175,8 @@ class Weighted(Plain):
                 f"{who}'s `weight` must be a real scalar >= 0 (an int or float, e.g. "
                 f"the mini-step's non-padding tokens), got {describe_value(weight)}."
             )
-        try:
-            known = float(np.asarray(weight))
-        except UNREAD:
-            known = None  # traced: not checked
+        traced = isinstance(weight, jax.core.Tracer)  # then not checked
+        known = None if traced else float(np.asarray(weight))
         if known is not None and not (known >= 0 and np.isfinite(known)):
             raise ValueError(
                 f"{who}'s `weight` must be finite and >= 0, got {known!r}: it is the "

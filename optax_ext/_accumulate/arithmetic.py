@@ -124,15 +124,6 @@ def widen(x: jax.Array, dtype: Any) -> jax.Array:
     return lax.convert_element_type(exact, dtype)  # float32 widens exactly
 
 
-def is_real_scalar(value: Any) -> bool:
-    """Whether `value` can be a weight: an int or float scalar, not a bool."""
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    real = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
-    return real and jnp.shape(value) == ()
-
-
 def _mix(x: jax.Array) -> jax.Array:
     """A bijection of uint32 whose every output bit depends on every input
     bit (Wellons' "lowbias32" constants)."""
