@@ -2,8 +2,6 @@
 one call, fused for `MultiSteps` and `skip_when` so that a step that does
 not update never builds a tree of zero updates."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import jax

@@ -1,7 +1,5 @@
 """`inject_hyperparams`: the factory's arguments, sorted by rules 1 to 7."""
 
-from __future__ import annotations
-
 import difflib
 import functools
 import inspect

@@ -1,7 +1,5 @@
 """The optimizer `inject_hyperparams(factory)(...)` returns, and rule 8."""
 
-from __future__ import annotations
-
 import inspect
 import numbers
 import types

@@ -1,7 +1,5 @@
 """Leaf kinds (docs/design.md, "Which leaves are acted on"), filters, gap fillers."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from typing import Any
 

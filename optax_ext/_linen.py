@@ -1,8 +1,6 @@
 """`train_state_apply_gradients`: `apply_gradients` on a Linen `TrainState`; the
 `emit=` check `_nnx` shares. No flax import (docs/design.md, "Flax NNX")."""
 
-from __future__ import annotations
-
 import sys
 from collections.abc import Mapping
 from typing import Any

@@ -1,8 +1,6 @@
 """`microbatched`: gradient accumulation inside one compiled step, and the
 checks of its arguments and calls."""
 
-from __future__ import annotations
-
 import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any

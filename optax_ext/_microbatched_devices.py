@@ -1,8 +1,6 @@
 """Where `microbatched`'s loop runs (as it is, in a `jax.shard_map` over the batch's
 mesh axes, or in the caller's over `axis_name`), and the one reduction after it."""
 
-from __future__ import annotations
-
 from collections.abc import Hashable
 from typing import Any
 

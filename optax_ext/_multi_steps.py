@@ -2,8 +2,6 @@
 A step prepares its inputs, decides whether the window ends, then folds and
 runs the inner optimizer (`_accumulate/window`)."""
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable, Hashable
 from typing import Any

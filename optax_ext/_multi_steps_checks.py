@@ -1,7 +1,5 @@
 """`MultiSteps`' checks: `prepare_step` builds a step's inputs, `check_state`."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from typing import Any
 

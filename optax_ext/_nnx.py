@@ -1,8 +1,6 @@
 """`nnx_apply_gradients`: `apply_gradients` on an `nnx.Optimizer` and its
 model in place. Flax is never imported here (docs/design.md, "Flax NNX")."""
 
-from __future__ import annotations
-
 import sys
 from typing import Any
 

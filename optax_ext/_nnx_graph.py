@@ -2,8 +2,6 @@
 stays shared), merged in each trace of `grad_fn`, the state it sets carried through
 the loop and written back (why: docs/design.md, "Flax NNX")."""
 
-from __future__ import annotations
-
 import sys
 from collections.abc import Callable, Collection
 from typing import Any

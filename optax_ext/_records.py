@@ -1,7 +1,5 @@
 """An inner `init`'s state, recorded and checked (why: docs/design.md, "Guarantees")."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import jax

@@ -1,7 +1,5 @@
 """State that mirrors a param gets its sharding (docs/data_parallel.md); mesh axes."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import jax

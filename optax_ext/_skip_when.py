@@ -1,7 +1,5 @@
 """`skip_when`: skip the inner optimizer on steps chosen at run time."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import jax

@@ -3,8 +3,6 @@ static argument does not recompile for an equal one (optax's closures never comp
 equal: optax #197, #353, #577; equinox #940). Equal means "builds the same program":
 immutable, concrete values compare by value, a tracer by identity (docs/design.md)."""
 
-from __future__ import annotations
-
 import dataclasses
 import inspect
 from typing import Any

@@ -1,8 +1,6 @@
 """`stop_gradient_where`: a conditional `torch.no_grad()` for JAX values, a
 selection between a value and its stopped copy (docs/gradient_context.md)."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import equinox as eqx

@@ -2,8 +2,6 @@
 arguments, and one step applied to the params (`step_and_apply`), fused for
 this package's own."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import jax

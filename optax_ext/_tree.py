@@ -1,7 +1,5 @@
 """Pytree helpers: structure and shape checks, casts keeping weak types, messages."""
 
-from __future__ import annotations
-
 import operator
 from typing import Any
 

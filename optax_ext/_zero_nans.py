@@ -1,7 +1,5 @@
 """`zero_nans`: replace NaN in updates with zero, keeping every dtype."""
 
-from __future__ import annotations
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp

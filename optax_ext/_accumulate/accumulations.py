@@ -2,8 +2,6 @@
 and a dict of its state fields after optax's) from `init` to `finalize`; a
 part (`NoiseScale`) adds one field to a kind."""
 
-from __future__ import annotations
-
 import functools
 import itertools
 from collections import namedtuple

@@ -2,8 +2,6 @@
 same: how a value folds in (`Accumulator`, `Count`, `AnyOf`, `Rows`) and how
 the devices' accumulators meet after the last fold."""
 
-from __future__ import annotations
-
 import dataclasses
 from typing import Any, NamedTuple
 

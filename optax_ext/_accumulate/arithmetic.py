@@ -2,8 +2,6 @@
 (`accumulator_dtype_for`; `work_dtype`, `widen`: float32 for narrow floats), and
 the stochastic rounding of float32 to bfloat16 (`round_stochastically`)."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import jax

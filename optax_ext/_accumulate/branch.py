@@ -1,8 +1,6 @@
 """Running an inner optimizer on some steps only: `update_if`, in the form
 a step chooses (`Form`); the compiler-facing details are `xla`'s."""
 
-from __future__ import annotations
-
 import enum
 from collections.abc import Callable
 

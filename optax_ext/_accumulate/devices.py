@@ -1,8 +1,6 @@
 """How `MultiSteps` sees its state: on one device, or per device along a mesh
 axis (`axis_name`), each accumulating its own gradients, averaged once per window."""
 
-from __future__ import annotations
-
 from collections.abc import Hashable, Iterator
 from typing import Any
 

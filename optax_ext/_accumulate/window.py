@@ -1,8 +1,6 @@
 """A `MultiSteps` mini-step: the gradients folded into the accumulator, then,
 where the window ends, the inner optimizer on it in the step's `Form`."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from typing import Any, NamedTuple
 

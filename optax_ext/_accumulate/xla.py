@@ -1,8 +1,6 @@
 """XLA mechanisms that keep a backend's compiler from undoing the code, switched by
 `Mechanisms` and `configured` (docs/design.md, "Mechanisms per backend")."""
 
-from __future__ import annotations
-
 import copy
 import dataclasses
 from collections.abc import Callable
