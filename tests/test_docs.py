@@ -15,7 +15,6 @@ import inspect
 import pathlib
 import re
 import textwrap
-import typing
 
 import jax
 import pytest
@@ -513,39 +512,45 @@ def _public_callables() -> dict[str, object]:
     return found
 
 
-def _annotation(annotation) -> str | None:
-    """An annotation as source text, normalised by `ast` (the package's
-    annotations are strings: `from __future__ import annotations`)."""
-    if annotation is inspect.Parameter.empty:
-        return None
-    if isinstance(annotation, typing.ForwardRef):  # a NamedTuple's field
-        annotation = annotation.__forward_arg__
-    text = (
-        annotation
-        if isinstance(annotation, str)
-        else inspect.formatannotation(annotation)
-    )
-    return ast.unparse(ast.parse(text, mode="eval"))
+def _annotation(text: str | None) -> str | None:
+    """An annotation's source text, normalised by `ast`."""
+    return None if text is None else ast.unparse(ast.parse(text, mode="eval"))
+
+
+def _source_annotations(obj) -> dict[str, str | None]:
+    """Each parameter's annotation (and `->`'s) as the source writes it: the
+    package's annotations are evaluated at import, so `inspect` would give
+    objects (`jax.jaxlib._jax.Array`), not the names a reader sees."""
+    if inspect.isclass(obj) and "__init__" not in vars(obj):  # NamedTuple fields
+        (node,) = ast.parse(textwrap.dedent(inspect.getsource(obj))).body
+        fields = [f for f in node.body if isinstance(f, ast.AnnAssign)]
+        return {f.target.id: ast.unparse(f.annotation) for f in fields}
+    function = obj.__init__ if inspect.isclass(obj) else obj
+    (node,) = ast.parse(textwrap.dedent(inspect.getsource(function))).body
+    args = node.args
+    every = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+    found = {a.arg: ast.unparse(a.annotation) for a in every if a and a.annotation}
+    return {**found, "->": ast.unparse(node.returns) if node.returns else None}
 
 
 def _code_signature(name: str, obj) -> list:
     """(parameter name, kind, annotation, default) for each parameter, then
     the return annotation: what the code says."""
-    signature = inspect.signature(obj)
-    parameters = list(signature.parameters.values())
+    parameters = list(inspect.signature(obj).parameters.values())
     if "." in name:  # a method: drop `self`
         parameters = parameters[1:]
+    written = _source_annotations(obj)
     described = [
         (
             p.name,
             p.kind,
-            _annotation(p.annotation),
+            _annotation(written.get(p.name)),
             "<none>" if p.default is inspect.Parameter.empty else p.default,
         )
         for p in parameters
     ]
-    returns = None if inspect.isclass(obj) else signature.return_annotation
-    return [*described, ("->", _annotation(returns) if returns else None)]
+    returns = None if inspect.isclass(obj) else written.get("->")
+    return [*described, ("->", _annotation(returns))]
 
 
 def _written_signature(rest: str) -> list:
