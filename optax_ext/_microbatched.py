@@ -15,7 +15,7 @@ from ._leaves import is_typed_key
 from ._microbatched_devices import run_on_devices
 from ._microbatched_loop import LoopSettings, is_gradient_mark
 from ._nnx_graph import ModuleCarry, split_graph_nodes
-from ._tree import as_index, describe_value
+from ._tree import as_index, check_bool, describe_value
 
 _POSITION = ("non-negative", "a position in grad_fn's arguments", TypeError)
 _COUNT = ("positive", "how many micro-batches the batch is split into", ValueError)
@@ -122,11 +122,11 @@ def _check_combine(weight_fn: Any, per_example: Any, use_grad_mean: Any) -> None
                 "are; 'gradient': rows of a gradient with respect to the batch); "
                 f"got {per_example!r}, whose leaf {mark!r} is none of them."
             )
-    if not isinstance(use_grad_mean, bool | np.bool_):
-        raise TypeError(
-            "use_grad_mean must be True (the micro-batches' outputs averaged) "
-            f"or False (summed), got {describe_value(use_grad_mean)}."
-        )
+    check_bool(
+        use_grad_mean,
+        "use_grad_mean must be True (the micro-batches' outputs averaged) "
+        "or False (summed)",
+    )
 
 
 def _check_num_real(value: Any, k: int) -> Any:

@@ -23,7 +23,7 @@ from ._records import strong_as_recorded, traced_state_record
 from ._sharding import mirror_param_sharding
 from ._static import Configured, config_key
 from ._transformations import check_transformation, merge_trainable, with_extra_args
-from ._tree import saturating_increment
+from ._tree import check_bool, saturating_increment
 
 
 def _window_complete(mini_step: jax.Array, k: jax.Array) -> jax.Array:
@@ -110,11 +110,13 @@ class MultiSteps(Configured):
     ):
         check_transformation(opt, "opt")
         mean = "use_grad_mean must be True (the gradients averaged) or False (summed)"
-        use_grad_mean = checks.check_bool(use_grad_mean, mean)
-        weighted = checks.check_bool(weighted, "weighted must be True or False")
+        use_grad_mean = check_bool(use_grad_mean, mean)
+        weighted = check_bool(weighted, "weighted must be True or False")
         dtype = check_accumulator_dtype(accumulator_dtype, complex_ok=True)
-        stochastic = checks.check_stochastic_rounding(stochastic_rounding, dtype)
-        noise = checks.check_bool(noise_scale, "noise_scale must be True or False")
+        rounding = "stochastic_rounding must be True or False"
+        stochastic = check_bool(stochastic_rounding, rounding)
+        checks.check_stochastic_rounding(stochastic, dtype)
+        noise = check_bool(noise_scale, "noise_scale must be True or False")
         on = Mechanisms()  # last in the key: `xla.configured` changes it
         single = axis_name is None
         given = (opt, every_k_schedule, use_grad_mean, should_skip_update_fn, dtype)

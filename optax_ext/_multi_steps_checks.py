@@ -87,22 +87,13 @@ def check_state(state: Any, method: str, *, counters: bool = True) -> tuple[str,
     return who, state_arg
 
 
-def check_bool(value: Any, must: str) -> bool:
-    """`value` as a bool; a `TypeError` saying `must` where it is none."""
-    if not isinstance(value, bool | np.bool_):
-        raise TypeError(f"{must}, got {describe_value(value)}.")
-    return bool(value)
-
-
-def check_stochastic_rounding(value: Any, dtype: Any) -> bool:
-    """`stochastic_rounding` as a bool, with a bfloat16 `accumulator_dtype`."""
-    stochastic = check_bool(value, "stochastic_rounding must be True or False")
+def check_stochastic_rounding(stochastic: bool, dtype: Any) -> None:
+    """Raises where `stochastic_rounding=True` lacks a bfloat16 `accumulator_dtype`."""
     if stochastic and dtype != jnp.bfloat16:
         raise ValueError(
             "stochastic_rounding=True (a bfloat16 accumulator rounded without bias) "
             f"needs accumulator_dtype=jnp.bfloat16, got accumulator_dtype={dtype}."
         )
-    return stochastic
 
 
 def check_every_k(every_k: Any) -> Callable[[jax.Array], Any]:

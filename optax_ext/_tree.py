@@ -5,6 +5,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import PyTree
 
@@ -186,6 +187,13 @@ def describe_value(value: Any) -> str:
     if len(text) > 60:
         text = text[:57] + "..."
     return f"{text} (a {type(value).__name__})"
+
+
+def check_bool(value: Any, must: str) -> bool:
+    """`value` as a bool; a `TypeError` saying `must` where it is none."""
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{must}, got {describe_value(value)}.")
+    return bool(value)
 
 
 def as_index(value: Any) -> int | None:
