@@ -98,8 +98,8 @@ def run_window(
     acc: PyTree,
     inner_state: PyTree,
 ) -> tuple[PyTree, PyTree, PyTree, dict, jax.Array]:
-    """One mini-step: the updates (`fused`: the new params), the inner state,
-    the new accumulator and carry, and whether the inner optimizer ran."""
+    """One mini-step: the updates (`fused`: the new params' arrays), the inner
+    state, the new accumulator and carry, and whether the inner optimizer ran."""
     kind, devices = window.accumulation, window.devices
     acc, carry = kind.fold(acc, step.carry, inputs, step, devices)
     dtypes = jax.tree.map(jnp.result_type, inputs.grads)
@@ -118,6 +118,5 @@ def run_window(
     # Cleared only where the inner optimizer reads the accumulator as stored.
     same = jax.tree.map(lambda a, d: jnp.result_type(a) == d, acc, dtypes)
     acc = jax.tree.map(lambda c, a, s: c if s else a, cleared, acc, same)
-    out = merge_trainable(inputs.params, out) if fused else out
     inner_state, held, reports = state_out
     return out, inner_state, acc, {**carry, **reports}, held if decides else count == 1
