@@ -8,7 +8,11 @@ for unbiasedness, the true |G|^2 and tr(Sigma) of synthetic gradients
 `g_i = G + noise` with a known covariance.
 """
 
+import copy
+import pathlib
 import pickle
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -190,21 +194,43 @@ def test_state_survives_a_checkpoint_round_trip():
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pickle.PicklingError,
-    reason="open (docs/multi_steps.md): the state's type is built at run time "
-    "(`state_type`), so pickle cannot find it by name",
-)
 def test_state_pickles():
-    opt = optax_ext.MultiSteps(optax.sgd(0.1), 2, noise_scale=True)
-    state = opt.update(jnp.ones(3), opt.init(jnp.zeros(3)))[1]
-    restored = pickle.loads(pickle.dumps(state))
-    assert type(restored) is type(state)
-    for got, kept in zip(
-        jax.tree.leaves(restored), jax.tree.leaves(state), strict=True
-    ):
-        np.testing.assert_array_equal(got, kept)  # NaN estimates equal too
+    """A noise-scale state, its type built at run time, pickles (weighted
+    too) and loads in a fresh process that has not built the type; it
+    deep-copies."""
+    states = []
+    for weighted in (False, True):
+        opt = optax_ext.MultiSteps(
+            optax.sgd(0.1), 2, weighted=weighted, noise_scale=True
+        )
+        extra = {"weight": 2.0} if weighted else {}
+        states.append(opt.update(jnp.ones(3), opt.init(jnp.zeros(3)), **extra)[1])
+    for state in states:
+        for restored in (pickle.loads(pickle.dumps(state)), copy.deepcopy(state)):
+            assert type(restored) is type(state)
+            for got, kept in zip(
+                jax.tree.leaves(restored), jax.tree.leaves(state), strict=True
+            ):
+                np.testing.assert_array_equal(got, kept)  # NaN estimates equal too
+    code = (
+        "import pickle, sys\n"
+        "from optax_ext._accumulate.accumulations import state_type\n"
+        "assert state_type.cache_info().currsize == 0  # no type built yet\n"
+        "states = pickle.loads(sys.stdin.buffer.read())\n"
+        "assert all(type(s) is state_type(s._fields[5:]) for s in states)\n"
+        "print(repr([(s._fields[5:], s.noise_scale.count.tolist()) for s in states]))\n"
+    )
+    root = pathlib.Path(optax_ext.__file__).parent.parent
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        input=pickle.dumps(states),
+        capture_output=True,
+        cwd=root,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr.decode()[-4000:]
+    fields = [("noise_scale",), ("acc_weight", "noise_scale")]
+    assert run.stdout.decode().strip() == repr([(f, 1.0) for f in fields])
 
     with pytest.raises(TypeError, match="noise_scale must be True or False, got"):
         optax_ext.MultiSteps(optax.sgd(0.1), 2, noise_scale=1)

@@ -48,7 +48,15 @@ OPTAX_FIELDS = optax.MultiStepsState._fields
 def state_type(fields: tuple[str, ...]) -> Any:
     """The state's NamedTuple: `optax.MultiStepsState`'s fields, then `fields`."""
     known = {(): optax.MultiStepsState, ("acc_weight",): WeightedMultiStepsState}
-    return known.get(fields) or namedtuple("MultiStepsState", OPTAX_FIELDS + fields)
+    if (found := known.get(fields)) is None:
+        found = namedtuple("MultiStepsState", OPTAX_FIELDS + fields)
+        found.__reduce__ = lambda state: (_built_state, (fields, tuple(state)))
+    return found
+
+
+def _built_state(fields: tuple[str, ...], values: tuple) -> Any:
+    """A built state as pickle loads it (pickle finds a class by a name it lacks)."""
+    return state_type(fields)(*values)
 
 
 class Plain:
