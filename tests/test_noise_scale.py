@@ -232,6 +232,8 @@ def test_state_pickles():
     fields = [("noise_scale",), ("acc_weight", "noise_scale")]
     assert run.stdout.decode().strip() == repr([(f, 1.0) for f in fields])
 
+
+def test_bad_input_is_named():
     with pytest.raises(TypeError, match="noise_scale must be True or False, got"):
         optax_ext.MultiSteps(optax.sgd(0.1), 2, noise_scale=1)
     plain = optax_ext.MultiSteps(optax.sgd(0.1), 2)
