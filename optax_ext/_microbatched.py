@@ -142,10 +142,9 @@ def _check_num_real(value: Any, k: int) -> Any:
             "of the micro-batches hold real data), got "
             f"{describe_value(value)}."
         )
-    try:
-        known = int(np.asarray(value))
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    if isinstance(value, jax.core.Tracer):  # traced: not checked
         return value
+    known = int(np.asarray(value))
     if not 0 <= known <= k:
         raise ValueError(
             f"num_real_microbatches must be from 0 to num_microbatches={k}, "
